@@ -1,0 +1,65 @@
+"""hvdtrain: Horovod data-parallel training for TensorFlow/Keras.
+
+A single-device Keras script becomes distributed with a few calls::
+
+    import hvdtrain
+    hvdtrain.init()                                       # hvd.init, GPU pinning, threads
+    ds = hvdtrain.train_dataset(x, y, batch, hvd.rank(), hvd.size())  # shard first
+    opt = hvdtrain.distributed_optimizer(
+        tf.keras.optimizers.Adam(hvdtrain.WarmupSchedule(lr, hvd.size(), warmup_steps)))
+    model.compile(opt, ...)
+    hvdtrain.broadcast_initial_state(model, opt)          # identical start on every rank
+
+and is launched with `horovodrun -np 4 python train.py` or `mpirun -np 4 python train.py`.
+
+Importing `hvdtrain` does not import TensorFlow: the names below load their module on
+first use, so the launcher (`hvdtrain.launcher`) starts fast and never touches a GPU.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "HvdtrainError": "errors",
+    "init": "runtime",
+    "is_main_process": "runtime",
+    "gpu_for_local_rank": "runtime",
+    "threads_per_rank": "runtime",
+    "agree": "runtime",
+    "rank_report": "runtime",
+    "weights_digest": "runtime",
+    "shard_indices": "data",
+    "steps_per_epoch": "data",
+    "train_dataset": "data",
+    "eval_dataset": "data",
+    "scaled_lr": "optim",
+    "warmup_lr": "optim",
+    "WarmupSchedule": "optim",
+    "distributed_optimizer": "optim",
+    "broadcast_initial_state": "optim",
+    "weighted_mean": "metrics",
+    "evaluate": "metrics",
+    "MetricAverageCallback": "metrics",
+    "CheckpointManager": "checkpoint",
+    "CheckpointCallback": "callbacks",
+    "ThroughputCallback": "callbacks",
+    "load_mnist": "datasets",
+    "get_logger": "logs",
+    "write_json": "files",
+    "export_model": "files",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"hvdtrain.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hvdtrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

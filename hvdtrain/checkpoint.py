@@ -1,0 +1,212 @@
+"""Checkpoints that a crash cannot break, written by rank 0 alone.
+
+Layout of a checkpoint directory::
+
+    ckpt/epoch-0003/manifest.json   # epoch, model fingerprint, file sizes and SHA-256
+    ckpt/epoch-0003/state.index     # model weights + optimizer state (tf.train.Checkpoint)
+    ckpt/epoch-0003/state.data-00000-of-00001
+
+A checkpoint is written into a hidden temporary folder and renamed into place only when
+complete, so a process killed mid-write leaves no `epoch-*` folder behind; the manifest is
+checked on load, so a damaged one is skipped. Older checkpoints are deleted only after
+the new one is in place.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+
+import tensorflow as tf
+
+from hvdtrain.errors import HvdtrainError
+
+__all__ = ["CheckpointManager", "model_fingerprint"]
+
+log = logging.getLogger("hvdtrain")
+_NAME = re.compile(r"^epoch-(\d{4,})$")
+_FORMAT = 1
+
+
+def model_fingerprint(model):
+    """The model's structure: each layer's class and weight shapes, in order."""
+    return [
+        [layer.__class__.__name__, [list(map(int, w.shape)) for w in layer.weights]]
+        for layer in model.layers
+        if layer.weights
+    ]
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and restores the model, its optimizer and the epoch.
+
+    Args:
+        directory: where checkpoints live (created if missing).
+        model: the Keras model.
+        optimizer: its optimizer (slots must exist before `restore`; see
+            `hvdtrain.broadcast_initial_state`).
+        keep: how many complete checkpoints to keep.
+    """
+
+    def __init__(self, directory, model, optimizer, keep=2):
+        if keep < 1:
+            raise HvdtrainError(f"Invalid value for `keep`: received {keep!r}; expected >= 1.")
+        self.directory = os.path.abspath(directory)
+        self.model = model
+        self.optimizer = optimizer
+        self.keep = keep
+
+    # -- checks -------------------------------------------------------------------------
+    def check_writable(self):
+        """Creates the directory and proves it is writable, or raises a clear error."""
+        d = self.directory
+        try:
+            os.makedirs(d, exist_ok=True)
+            probe = os.path.join(d, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise HvdtrainError(
+                f"Invalid value for `--checkpoint-dir`: received {d!r}; expected a writable "
+                f"directory ({e.strerror or e}). Choose another path or fix its permissions."
+            ) from None
+        for name in os.listdir(d):  # leftovers of writes that a crash interrupted
+            if name.startswith(".epoch-") and ".tmp" in name:
+                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+    # -- reading ------------------------------------------------------------------------
+    def _epochs(self):
+        if not os.path.isdir(self.directory):
+            return []
+        found = []
+        for name in os.listdir(self.directory):
+            m = _NAME.match(name)
+            if m:
+                found.append((int(m.group(1)), os.path.join(self.directory, name)))
+        return sorted(found, reverse=True)
+
+    def _manifest(self, path):
+        """The manifest of a complete, undamaged checkpoint, or None."""
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                manifest = json.load(f)
+            for name, (size, digest) in manifest["files"].items():
+                file = os.path.join(path, name)
+                if os.path.getsize(file) != size or _sha256(file) != digest:
+                    return None
+            return manifest
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def latest(self):
+        """(epoch, path, manifest) of the newest valid checkpoint, or None.
+
+        A damaged newer checkpoint is skipped with a warning.
+        """
+        for epoch, path in self._epochs():
+            manifest = self._manifest(path)
+            if manifest is not None:
+                return epoch, path, manifest
+            log.warning("skipping damaged checkpoint %s", path)
+        return None
+
+    def restore(self, path, manifest):
+        """Loads weights and optimizer state from `path`; returns the saved epoch."""
+        expected = model_fingerprint(self.model)
+        if manifest.get("fingerprint") != expected:
+            raise HvdtrainError(
+                f"Invalid checkpoint in `--checkpoint-dir`: {path} was written by a different "
+                f"model ({_describe(manifest.get('fingerprint'))}; this run builds "
+                f"{_describe(expected)}). Use a new --checkpoint-dir, or the flags that "
+                "wrote it."
+            )
+        state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        try:
+            state.read(os.path.join(path, "state")).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as e:
+            raise HvdtrainError(
+                f"Invalid checkpoint in `--checkpoint-dir`: {path} does not match this model "
+                f"and optimizer ({str(e).splitlines()[0]}). Use a new --checkpoint-dir."
+            ) from None
+        return int(manifest["epoch"])
+
+    # -- writing ------------------------------------------------------------------------
+    def save(self, epoch, extra=None):
+        """Writes the checkpoint of `epoch` (completed epochs) atomically; returns its path."""
+        final = os.path.join(self.directory, f"epoch-{epoch:04d}")
+        tmp = os.path.join(self.directory, f".epoch-{epoch:04d}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).write(
+                os.path.join(tmp, "state")
+            )
+            files = {}
+            for name in sorted(os.listdir(tmp)):
+                file = os.path.join(tmp, name)
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+                files[name] = [os.path.getsize(file), _sha256(file)]
+            manifest = {
+                "format": _FORMAT,
+                "epoch": int(epoch),
+                "time": time.time(),
+                "fingerprint": model_fingerprint(self.model),
+                "files": files,
+                **(extra or {}),
+            }
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # a damaged checkpoint of this epoch: keep it aside
+                os.replace(final, f"{final}.damaged-{int(time.time())}")
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise HvdtrainError(
+                f"Could not write checkpoint {final}: {e.strerror or e}. The previous "
+                "checkpoints are kept; free space or choose another --checkpoint-dir."
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for _, old in self._epochs()[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def _describe(fingerprint):
+    if not fingerprint:
+        return "unknown layers"
+    params = sum(_product(shape) for _, shapes in fingerprint for shape in shapes)
+    return f"{', '.join(layer for layer, _ in fingerprint)}; {params:,} parameters"
+
+
+def _product(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,44 @@
+"""The one exception family for user mistakes, and how the command line reports it."""
+
+import os
+import sys
+
+__all__ = ["HvdtrainError", "invalid_value", "env_rank", "exit_with_error"]
+
+
+class HvdtrainError(Exception):
+    """A user-facing error: printed as one line, no traceback, non-zero exit.
+
+    Args:
+        message: what is wrong and how to fix it.
+        every_rank: True when every rank raises the same error (bad flags, data agreed
+            across ranks), so rank 0 alone prints it; False when only some ranks see it,
+            so each of them prints it with its rank.
+    """
+
+    def __init__(self, message, every_rank=True):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def invalid_value(name, received, expected):
+    """Builds the error every check uses: which value, what it was, what would be right."""
+    return HvdtrainError(f"Invalid value for `{name}`: received {received!r}; expected {expected}.")
+
+
+def env_rank():
+    """The global rank from the launcher's environment (usable before `hvd.init()`)."""
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def exit_with_error(prog, error, code=2):
+    """Prints `error` once (see `HvdtrainError.every_rank`) and exits with `code`."""
+    rank = env_rank()
+    if rank == 0 or not getattr(error, "every_rank", True):
+        where = f" [rank {rank}]" if rank else ""
+        print(f"{prog}{where}: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -1,0 +1,83 @@
+"""Optimisation: the learning rate scaled by the number of ranks, a warmup, and the
+distributed optimizer.
+
+With N ranks the global batch is N times the per-rank batch, so the learning rate is
+scaled by N (Goyal et al., 2017). Starting at the full rate destabilises the first steps,
+so it ramps linearly from the single-worker rate to N times that over the warmup.
+"""
+
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+import tensorflow as tf
+
+from hvdtrain.errors import invalid_value
+
+__all__ = [
+    "scaled_lr",
+    "warmup_lr",
+    "WarmupSchedule",
+    "distributed_optimizer",
+    "broadcast_initial_state",
+]
+
+
+def scaled_lr(base_lr, size):
+    """The learning rate for `size` ranks: `base_lr` (the single-worker rate) x `size`."""
+    return base_lr * size
+
+
+def warmup_lr(step, base_lr, size, warmup_steps):
+    """The learning rate at `step`: `base_lr` at step 0, rising linearly to
+    `scaled_lr(base_lr, size)` at `warmup_steps`, constant after."""
+    if warmup_steps <= 0:
+        return scaled_lr(base_lr, size)
+    progress = min(1.0, step / warmup_steps)
+    return base_lr * (1.0 + (size - 1) * progress)
+
+
+@tf.keras.utils.register_keras_serializable(package="hvdtrain")
+class WarmupSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
+    """`warmup_lr` as a Keras schedule: it follows `optimizer.iterations`, so a resumed run
+    continues the warmup where the checkpoint left it."""
+
+    def __init__(self, base_lr, size, warmup_steps):
+        if base_lr <= 0:
+            raise invalid_value("lr", base_lr, "a positive single-worker learning rate")
+        self.base_lr = float(base_lr)
+        self.size = int(size)
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        if self.warmup_steps <= 0:
+            return tf.constant(scaled_lr(self.base_lr, self.size), tf.float32)
+        progress = tf.minimum(1.0, step / float(self.warmup_steps))
+        return self.base_lr * (1.0 + (self.size - 1) * progress)
+
+    def get_config(self):
+        return {"base_lr": self.base_lr, "size": self.size, "warmup_steps": self.warmup_steps}
+
+
+def distributed_optimizer(optimizer, **kwargs):
+    """Wraps a Keras optimizer so gradients are averaged across ranks before each update.
+
+    Keyword arguments go to `hvd.DistributedOptimizer` (e.g. `compression`,
+    `backward_passes_per_step`).
+    """
+    return hvd_keras.DistributedOptimizer(optimizer, **kwargs)
+
+
+def broadcast_initial_state(model, optimizer=None, root_rank=0):
+    """Makes every rank start from rank `root_rank`'s weights and optimizer state.
+
+    Unlike Horovod's `BroadcastGlobalVariablesCallback`, which broadcasts after the first
+    batch, this runs before any step: the optimizer's slots are created first, so a state
+    restored from a checkpoint on rank 0 reaches every rank, and the first update already
+    starts from identical weights.
+    """
+    variables = list(model.variables)
+    if optimizer is not None:
+        optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    if hvd.size() > 1:
+        hvd.broadcast_variables(variables, root_rank=root_rank)
