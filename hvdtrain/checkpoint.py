@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 
 import tensorflow as tf
@@ -171,6 +172,7 @@ class CheckpointManager:
                 "format": _FORMAT,
                 "epoch": int(epoch),
                 "time": time.time(),
+                "written_by": {"host": socket.gethostname(), "pid": os.getpid()},
                 "fingerprint": model_fingerprint(self.model),
                 "files": files,
                 **(extra or {}),

@@ -8,6 +8,7 @@ and `y: int32 [n]`.
 import gzip
 import importlib.resources
 import os
+import zipfile
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def _load_npz(path):
             f"Invalid MNIST file {path}: missing array {e}; expected x_train, y_train, "
             "x_test, y_test (the layout of Keras' mnist.npz)."
         ) from None
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise HvdtrainError(f"Invalid MNIST file {path}: not a readable .npz ({e}).") from None
 
 

@@ -1,0 +1,65 @@
+"""Shared helpers: run real multi-process jobs under horovodrun (Gloo, MPI) and mpirun."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+# Generous bounds: a hang fails the test instead of blocking CI.
+JOB_TIMEOUT = 240
+
+
+def job_env(**extra):
+    env = dict(os.environ)
+    env.update(
+        HVDTRAIN_OFFLINE="1",  # never try to download MNIST in tests
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PATH=BIN + os.pathsep + env.get("PATH", ""),
+        PYTHONPATH=ROOT,
+    )
+    env.update(extra)
+    return env
+
+
+def launch_argv(np, backend):
+    """The launcher prefix for `np` local ranks: gloo, mpi (both horovodrun) or mpirun."""
+    if backend in ("gloo", "mpi"):
+        return [f"{BIN}/horovodrun", "-np", str(np), "-H", f"localhost:{np}", f"--{backend}"]
+    if backend == "mpirun":
+        root = ["--allow-run-as-root"] if os.getuid() == 0 else []
+        return [
+            "mpirun",
+            *root,
+            "-np",
+            str(np),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--tag-output",
+        ]
+    if backend == "none":
+        return []
+    raise ValueError(backend)
+
+
+def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, **env):
+    """Runs `python args...` on `np` ranks and returns the CompletedProcess (text output)."""
+    argv = launch_argv(np, backend) + [sys.executable, *args]
+    proc = subprocess.run(
+        argv, env=job_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def worker(name):
+    return os.path.join(WORKERS, name)

@@ -1,0 +1,96 @@
+"""Checkpoints: atomic, validated, restored with the optimizer state (single process)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hvdtrain.checkpoint import CheckpointManager
+from hvdtrain.errors import HvdtrainError
+
+
+def _model_and_optimizer(width=8, seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    model = tf.keras.Sequential(
+        [tf.keras.Input((4,)), tf.keras.layers.Dense(width), tf.keras.layers.Dense(2)]
+    )
+    optimizer = tf.keras.optimizers.Adam(0.01)
+    model.compile(optimizer, loss="mse")
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def _train(model, steps=3):
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    model.fit(x, x[:, :2], batch_size=8, epochs=1, steps_per_epoch=steps, verbose=0)
+
+
+def test_save_and_restore_round_trip_weights_and_optimizer_state(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    _train(model)
+    manager = CheckpointManager(tmp_path, model, optimizer)
+    manager.save(1)
+    saved_w = [w.copy() for w in model.get_weights()]
+    saved_opt = [v.numpy().copy() for v in optimizer.variables]
+    assert int(optimizer.iterations) == 3
+
+    fresh, fresh_opt = _model_and_optimizer(seed=1)
+    epoch, path, manifest = CheckpointManager(tmp_path, fresh, fresh_opt).latest()
+    assert epoch == 1 and path.endswith("epoch-0001")
+    assert CheckpointManager(tmp_path, fresh, fresh_opt).restore(path, manifest) == 1
+    for a, b in zip(saved_w, fresh.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(saved_opt) == len(fresh_opt.variables) > 1
+    for a, b in zip(saved_opt, fresh_opt.variables, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_half_written_or_damaged_checkpoints_are_never_latest(tmp_path, caplog):
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer, keep=5)
+    manager.save(1)
+    manager.save(2)
+    # A crash mid-write leaves only a hidden temporary folder.
+    (tmp_path / ".epoch-0003.tmp-999").mkdir()
+    (tmp_path / ".epoch-0003.tmp-999" / "state.index").write_bytes(b"partial")
+    # A truncated data file in a newer checkpoint.
+    damaged = tmp_path / "epoch-0004"
+    os.rename(manager.save(4), damaged)
+    data = next(p for p in damaged.iterdir() if p.name.startswith("state.data"))
+    data.write_bytes(data.read_bytes()[:10])
+    # A checkpoint folder without a manifest.
+    (tmp_path / "epoch-0005").mkdir()
+    assert manager.latest()[0] == 2
+    assert "skipping damaged checkpoint" in caplog.text
+    manager.check_writable()  # cleans the temporary leftovers
+    assert not (tmp_path / ".epoch-0003.tmp-999").exists()
+
+
+def test_keeps_the_last_k_and_never_deletes_before_the_new_one_is_complete(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer, keep=2)
+    for epoch in range(1, 5):
+        manager.save(epoch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0003", "epoch-0004"]
+    manifest = json.loads((tmp_path / "epoch-0004" / "manifest.json").read_text())
+    assert manifest["epoch"] == 4 and manifest["files"]
+
+
+def test_a_checkpoint_of_a_different_model_is_refused(tmp_path):
+    model, optimizer = _model_and_optimizer(width=8)
+    CheckpointManager(tmp_path, model, optimizer).save(1)
+    other, other_opt = _model_and_optimizer(width=16)
+    manager = CheckpointManager(tmp_path, other, other_opt)
+    _, path, manifest = manager.latest()
+    with pytest.raises(HvdtrainError, match="different model"):
+        manager.restore(path, manifest)
+
+
+def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(HvdtrainError, match="expected a writable directory"):
+        CheckpointManager(blocker / "ckpt", model, optimizer).check_writable()

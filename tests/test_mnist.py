@@ -1,0 +1,183 @@
+"""`python -m hvdtrain.mnist` end to end: Gloo, MPI and mpirun; resume after SIGKILL; bad input."""
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+from conftest import JOB_TIMEOUT, job_env, launch_argv, run_job
+
+MNIST = ["-m", "hvdtrain.mnist"]
+
+
+def _rank_lines(output, rank):
+    return [
+        line for line in output.splitlines() if re.match(rf"\[(1,)?{rank}\]<std(out|err)>", line)
+    ]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "mpirun"])
+def test_one_epoch_on_two_ranks(backend, tmp_path):
+    ckpt, metrics, logs = tmp_path / "ckpt", tmp_path / "m.json", tmp_path / "tb"
+    args = [*MNIST, "--epochs", "1", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
+    proc = run_job(2, backend, [*args, "--log-dir", str(logs)])
+    m = json.loads(metrics.read_text())
+    assert m["size"] == 2 and m["epochs"] == 1 and m["global_batch_size"] == 64
+    assert m["data_source"] == "embedded" and m["test_samples"] == 500
+    assert m["test_accuracy"] > 0.8 and m["train_samples_per_sec"] > 0 and m["wall_seconds"] > 0
+    assert sorted(r["local_rank"] for r in m["ranks"]) == [0, 1]
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    # Rank 0 alone prints and writes: checkpoints, TensorBoard events, the export.
+    assert _rank_lines(proc.stdout + proc.stderr, 0) and not _rank_lines(
+        proc.stdout + proc.stderr, 1
+    )
+    rank0_pid = next(r["pid"] for r in m["ranks"] if r["rank"] == 0)
+    manifest = json.loads((ckpt / "epoch-0001" / "manifest.json").read_text())
+    assert manifest["written_by"]["pid"] == rank0_pid
+    events = glob.glob(str(logs / "**" / "events.out.tfevents.*"), recursive=True)
+    assert events and {int(e.split(".")[-3]) for e in events} == {rank0_pid}
+    assert sorted(os.listdir(ckpt)) == ["epoch-0001", "model.keras"]
+
+
+def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_job(
+        1,
+        "none",
+        [
+            *MNIST,
+            "--epochs",
+            "1",
+            "--limit-samples",
+            "640",
+            "--model",
+            "mlp",
+            "--checkpoint-dir",
+            str(ckpt),
+        ],
+    )
+    code = (
+        "import sys, numpy as np, tensorflow as tf;"
+        f"m = tf.keras.models.load_model({str(ckpt / 'model.keras')!r});"
+        "print(m.predict(np.zeros((2, 28, 28, 1)), verbose=0).shape, 'horovod' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=job_env(), timeout=120
+    )
+    assert out.stdout.split() == ["(2,", "10)", "False"], out.stderr[-2000:]
+
+
+def _kill_everything_mentioning(marker, proc):
+    """SIGKILL the launcher and every rank it started (found by a unique path in argv)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    victims = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(marker in a for a in (p.info["cmdline"] or []))
+    ]
+    for p in victims:
+        p.kill()
+    psutil.wait_procs(victims, timeout=30)
+    proc.wait(timeout=30)
+
+
+def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    args = [
+        *MNIST,
+        "--epochs",
+        "3",
+        "--limit-samples",
+        "1280",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--metrics-json",
+        str(metrics),
+    ]
+    argv = launch_argv(2, "gloo") + [sys.executable, *args]
+    proc = subprocess.Popen(
+        argv,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in proc.stdout:  # wait for the event itself, not for a time
+            seen.append(line)
+            if "saved checkpoint" in line and "(epoch 1)" in line:
+                break
+        else:
+            pytest.fail("the job ended before saving epoch 1:\n" + "".join(seen[-40:]))
+    finally:
+        _kill_everything_mentioning(str(ckpt), proc)
+    assert not metrics.exists()
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("epoch-"))
+    assert saved and saved[0] == "epoch-0001"
+    latest = int(saved[-1].split("-")[1])
+
+    run_job(2, "gloo", args)
+    m = json.loads(metrics.read_text())
+    steps = m["steps_per_epoch"]
+    assert m["initial_epoch"] == latest
+    assert m["resumed_from"] == {"epoch": latest, "optimizer_iterations": latest * steps}
+    assert m["optimizer_iterations"] == 3 * steps
+    assert len(m["history"]["loss"]) == 3 - latest
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+
+
+def _one_error_line(proc, match, launcher_traceback=False):
+    """One error line, non-zero exit, no traceback from hvdtrain (horovodrun --gloo prints
+    its own traceback when a rank fails: `launcher_traceback` tolerates that one)."""
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.search(match, errors[0]), errors[0]
+    output = proc.stderr + proc.stdout
+    if launcher_traceback:
+        output = "\n".join(_rank_lines(output, 0) + _rank_lines(output, 1))
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--batch-size", "0"], r"Invalid value for `--batch-size`: received 0"),
+        (["--epochs", "-2"], r"Invalid value for `--epochs`: received -2"),
+        (["--data-dir", "/nonexistent/dir"], r"`--data-dir`"),
+    ],
+)
+def test_bad_flags_exit_with_one_line(flags, match):
+    _one_error_line(run_job(1, "none", [*MNIST, *flags], check=False, timeout=60), match)
+
+
+def test_malformed_data_dir_and_unwritable_checkpoint_dir(tmp_path):
+    (tmp_path / "mnist.npz").write_bytes(b"garbage")
+    proc = run_job(1, "none", [*MNIST, "--data-dir", str(tmp_path)], check=False, timeout=120)
+    _one_error_line(proc, r"Invalid MNIST file .*mnist.npz")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = run_job(
+        1, "none", [*MNIST, "--checkpoint-dir", str(blocker / "ckpt")], check=False, timeout=120
+    )
+    _one_error_line(proc, r"`--checkpoint-dir`.*expected a writable directory")
+
+
+def test_checkpoint_of_another_model_is_refused_on_two_ranks_without_a_hang(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    base = ["--epochs", "1", "--limit-samples", "640", "--checkpoint-dir", str(ckpt)]
+    run_job(2, "gloo", [*MNIST, *base, "--model", "mlp"])
+    before = sorted(os.listdir(ckpt))
+    proc = run_job(
+        2, "gloo", [*MNIST, *base, "--model", "convnet"], check=False, timeout=JOB_TIMEOUT
+    )
+    _one_error_line(proc, r"different model", launcher_traceback=True)
+    assert sorted(os.listdir(ckpt)) == before  # nothing overwritten

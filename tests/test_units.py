@@ -1,0 +1,84 @@
+"""Single-process tests of the pure pieces: device choice, threads, sharding, LR, parsing."""
+
+import pytest
+
+from hvdtrain.errors import HvdtrainError
+
+
+def test_gpu_for_local_rank_is_a_no_op_without_gpus():
+    from hvdtrain.runtime import gpu_for_local_rank
+
+    assert gpu_for_local_rank(0, 0) is None
+    assert gpu_for_local_rank(3, 0, local_size=4) is None
+
+
+def test_gpu_for_local_rank_pins_one_gpu_per_local_rank():
+    from hvdtrain.runtime import gpu_for_local_rank
+
+    assert [gpu_for_local_rank(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(HvdtrainError, match="at most one process per GPU"):
+        gpu_for_local_rank(2, 2, local_size=3)
+
+
+@pytest.mark.parametrize(
+    "cpus, local_size, affinity, expected",
+    [(2, 1, None, 2), (2, 2, None, 1), (16, 4, None, 4), (2, 4, None, 1), (16, 2, 1, 1)],
+)
+def test_threads_per_rank_splits_the_host(cpus, local_size, affinity, expected):
+    from hvdtrain.runtime import threads_per_rank
+
+    assert threads_per_rank(cpus, local_size, affinity) == expected
+
+
+def test_shard_indices_and_steps():
+    from hvdtrain.data import shard_indices, steps_per_epoch
+
+    assert shard_indices(5, 0, 2).tolist() == [0, 2, 4]
+    assert shard_indices(5, 1, 2).tolist() == [1, 3]
+    assert steps_per_epoch(1001, 10, 2) == 50
+    with pytest.raises(HvdtrainError, match="batch_size"):
+        steps_per_epoch(10, 8, 2)
+    with pytest.raises(HvdtrainError, match="rank"):
+        shard_indices(10, 2, 2)
+
+
+def test_warmup_lr_starts_at_base_and_reaches_base_times_size():
+    from hvdtrain.optim import WarmupSchedule, scaled_lr, warmup_lr
+
+    assert scaled_lr(0.1, 4) == pytest.approx(0.4)
+    assert warmup_lr(0, 0.1, 4, 100) == pytest.approx(0.1)
+    assert warmup_lr(50, 0.1, 4, 100) == pytest.approx(0.25)
+    assert warmup_lr(100, 0.1, 4, 100) == pytest.approx(0.4)
+    assert warmup_lr(10_000, 0.1, 4, 100) == pytest.approx(0.4)
+    assert warmup_lr(0, 0.1, 4, 0) == pytest.approx(0.4)
+    schedule = WarmupSchedule(0.1, 4, 100)
+    for step in (0, 50, 100, 500):
+        assert float(schedule(step)) == pytest.approx(warmup_lr(step, 0.1, 4, 100))
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--batch-size", "0"], "`--batch-size`: received 0"),
+        (["--batch-size", "-3"], "`--batch-size`: received -3"),
+        (["--epochs", "0"], "`--epochs`: received 0"),
+        (["--lr", "-1"], "`--lr`"),
+        (["--data-dir", "/nonexistent/mnist"], "`--data-dir`"),
+        (["--epochs", "two"], "invalid int value"),
+    ],
+)
+def test_parse_args_rejects_bad_flags(argv, match):
+    from hvdtrain.mnist import parse_args
+
+    with pytest.raises(HvdtrainError, match=match):
+        parse_args(argv)
+
+
+def test_importing_hvdtrain_does_not_import_tensorflow():
+    import subprocess
+    import sys
+
+    code = "import hvdtrain, sys; print('tensorflow' in sys.modules, 'horovod' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"]
