@@ -1,0 +1,303 @@
+"""Pure command builders: a `LaunchConfig` -> the argv and environment that run the job.
+
+One config, four launchers (uid 0 adds `--allow-run-as-root` to plain mpirun)::
+
+    hvdtrain-run -np 4 -H a:2,b:2 --backend gloo   -- python -m hvdtrain.mnist
+      -> horovodrun --gloo -np 4 -H a:2,b:2 python -m hvdtrain.mnist
+    hvdtrain-run -np 4 -H a:2,b:2 --backend mpi    -- python -m hvdtrain.mnist
+      -> horovodrun --mpi -np 4 -H a:2,b:2 python -m hvdtrain.mnist
+    hvdtrain-run -np 4 -H a:2,b:2 --backend mpirun -- python -m hvdtrain.mnist
+      -> mpirun -np 4 -H a:2,b:2 --bind-to none --map-by slot --tag-output
+         -mca pml ob1 -mca btl ^openib -x PATH -x LD_LIBRARY_PATH ... python -m hvdtrain.mnist
+    hvdtrain-run --backend srun -- python -m hvdtrain.mnist     # inside sbatch/salloc
+      -> srun --mpi=pmix -n 4 --kill-on-bad-exit=1 python -m hvdtrain.mnist
+
+Plain mpirun gets what `horovodrun --mpi` would give it: no process binding (Horovod pins
+one GPU per local rank itself), slots filled host by host, Open MPI's TCP/shared-memory
+transports (`-mca pml ob1 -mca btl ^openib`; pass `--mpi-args` for UCX/InfiniBand), and
+`-x NAME` for every variable the ranks need that is set here: PATH, LD_LIBRARY_PATH,
+PYTHONPATH, VIRTUAL_ENV, PYTHONUNBUFFERED and all HOROVOD_*, HVDTRAIN_*, NCCL_*, TF_*
+(never Horovod's private `_HOROVOD_SECRET_KEY`). Horovod tunables become horovodrun flags
+or HOROVOD_* variables (`TUNABLES`).
+
+The directory of the launching Python (the virtualenv's bin) is put first on PATH, so
+`python` in the command is the launcher's Python on every rank, as after `source activate`.
+
+`format_command` prints a command as one shell line with secrets (variables or options
+named like *SECRET*, *TOKEN*, *KEY*, *PASSWORD*) replaced by `***`.
+"""
+
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.launcher.hosts import format_hosts
+
+__all__ = [
+    "BACKENDS",
+    "TUNABLES",
+    "EXPORTED_NAMES",
+    "EXPORTED_PREFIXES",
+    "Tunable",
+    "LaunchConfig",
+    "build_command",
+    "horovodrun_command",
+    "mpirun_command",
+    "srun_command",
+    "program_for",
+    "find_program",
+    "path_with",
+    "exported_names",
+    "is_secret",
+    "redact_argv",
+    "format_command",
+]
+
+BACKENDS = ("gloo", "mpi", "mpirun", "srun")
+EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
+EXPORTED_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "NCCL_", "TF_")
+_SECRET = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+_NAME = re.compile(r"-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*")
+_MASK = "***"
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """A Horovod setting: the horovodrun flag, the variable Horovod reads, the conversion."""
+
+    flag: str
+    env: str
+    to_env: object = str
+
+
+TUNABLES = {
+    "fusion_threshold_mb": Tunable(
+        "--fusion-threshold-mb", "HOROVOD_FUSION_THRESHOLD", lambda mb: str(mb * 1024 * 1024)
+    ),
+    "cycle_time_ms": Tunable("--cycle-time-ms", "HOROVOD_CYCLE_TIME", lambda ms: f"{ms:g}"),
+    "timeline_filename": Tunable("--timeline-filename", "HOROVOD_TIMELINE"),
+    "stall_check_warning_time_seconds": Tunable(
+        "--stall-check-warning-time-seconds", "HOROVOD_STALL_CHECK_TIME_SECONDS"
+    ),
+    "stall_check_shutdown_time_seconds": Tunable(
+        "--stall-check-shutdown-time-seconds", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything a launch needs, already checked (see `hvdtrain.launcher.cli.make_config`).
+
+    Args:
+        backend: one of `BACKENDS`.
+        np: the number of processes.
+        hosts: a sequence of `Host`; ignored by srun (SLURM places the tasks).
+        command: the user's command, e.g. ("python", "-m", "hvdtrain.mnist").
+        tunables: {name in `TUNABLES`: value}, only those given.
+        network_interfaces: NICs for Horovod, MPI and NCCL traffic, e.g. ("eth0",).
+        ssh_port, ssh_identity_file: how horovodrun/mpirun reach the other hosts.
+        exports: (name, value or None) pairs to set on every rank; None forwards the
+            launcher's own value.
+        mpi_args: extra mpirun arguments, already split (backends mpi and mpirun).
+    """
+
+    backend: str
+    np: int
+    hosts: tuple
+    command: tuple
+    tunables: dict = field(default_factory=dict)
+    network_interfaces: tuple = ()
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    exports: tuple = ()
+    mpi_args: tuple = ()
+
+
+def program_for(backend):
+    """The program a backend runs: horovodrun, mpirun or srun."""
+    return {"gloo": "horovodrun", "mpi": "horovodrun", "mpirun": "mpirun", "srun": "srun"}[backend]
+
+
+def find_program(name, bindir, path):
+    """`bindir/name` when it is executable (the virtualenv's own horovodrun), else the first
+    `name` on `path` (a PATH string), else None."""
+    candidate = os.path.join(bindir, name) if bindir else None
+    if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+        return candidate
+    return shutil.which(name, path=path)
+
+
+def path_with(bindir, path):
+    """PATH with `bindir` first, or None when it is first already (nothing to change)."""
+    entries = path.split(os.pathsep) if path else []
+    if not bindir or (entries and entries[0] == bindir):
+        return None
+    return os.pathsep.join([bindir, *entries])
+
+
+def exported_names(environ):
+    """The variables, set in `environ`, that plain mpirun forwards with `-x NAME`."""
+    return sorted(
+        name for name in environ if name in EXPORTED_NAMES or name.startswith(EXPORTED_PREFIXES)
+    )
+
+
+def _tunable_env(config):
+    return {TUNABLES[k].env: TUNABLES[k].to_env(v) for k, v in config.tunables.items()}
+
+
+def _exports_env(config):
+    """The values `-x NAME=VALUE` options set; `-x NAME` needs nothing (inherited)."""
+    return {name: value for name, value in config.exports if value is not None}
+
+
+def horovodrun_command(config, environ, bindir="", program="horovodrun"):
+    """`horovodrun --gloo|--mpi -np N -H hosts [tunables] command`, and its environment."""
+    argv = [program, f"--{config.backend}", "-np", str(config.np), "-H", format_hosts(config.hosts)]
+    for name, value in config.tunables.items():
+        argv += [TUNABLES[name].flag, str(value)]
+    if config.network_interfaces:
+        argv += ["--network-interfaces", ",".join(config.network_interfaces)]
+    if config.ssh_port:
+        argv += ["-p", str(config.ssh_port)]
+    if config.ssh_identity_file:
+        argv += ["-i", config.ssh_identity_file]
+    if config.mpi_args:
+        argv.append("--mpi-args=" + shlex.join(config.mpi_args))
+    env = _exports_env(config)
+    path = path_with(bindir, environ.get("PATH", ""))
+    if path:
+        env["PATH"] = path
+    return argv + list(config.command), env
+
+
+def mpirun_command(config, environ, uid, bindir="", program="mpirun"):
+    """Plain Open MPI `mpirun` with Horovod's settings passed as `-x` variables.
+
+    Args:
+        uid: the effective user id; 0 (root) adds `--allow-run-as-root`, which Open MPI
+            refuses to run without, and nothing else does.
+    """
+    argv = [program]
+    if uid == 0:
+        argv.append("--allow-run-as-root")
+    argv += ["-np", str(config.np), "-H", format_hosts(config.hosts)]
+    argv += ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
+    argv += ["-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+    if config.network_interfaces:
+        nics = ",".join(config.network_interfaces)
+        argv += ["-mca", "btl_tcp_if_include", nics, "-mca", "oob_tcp_if_include", nics]
+    ssh = []
+    if config.ssh_port:
+        ssh += ["-p", str(config.ssh_port)]
+    if config.ssh_identity_file:
+        ssh += ["-i", config.ssh_identity_file]
+    if ssh:
+        argv += ["-mca", "plm_rsh_args", shlex.join(ssh)]
+
+    env = {}
+    path = path_with(bindir, environ.get("PATH", ""))
+    if path:
+        env["PATH"] = path
+    set_here = {**_tunable_env(config)}
+    if config.network_interfaces:
+        set_here["NCCL_SOCKET_IFNAME"] = ",".join(config.network_interfaces)
+    set_here.update(_exports_env(config))
+    for name, value in set_here.items():
+        argv += ["-x", f"{name}={value}"]
+    forwarded = set(exported_names({**environ, **env}))
+    forwarded |= {name for name, value in config.exports if value is None and name in environ}
+    for name in sorted(forwarded - set(set_here)):
+        argv += ["-x", name]
+    argv += list(config.mpi_args)
+    return argv + list(config.command), env
+
+
+def srun_command(config, environ, bindir="", program="srun"):
+    """`srun --mpi=pmix -n N --kill-on-bad-exit=1 command` inside a SLURM allocation.
+
+    srun hands the whole environment to the tasks, so tunables travel as variables.
+    `--kill-on-bad-exit=1` ends every task as soon as one fails, so a crash cannot leave
+    the others waiting for it forever.
+    """
+    argv = [program, "--mpi=pmix", "-n", str(config.np), "--kill-on-bad-exit=1"]
+    env = _tunable_env(config)
+    if config.network_interfaces:
+        nics = ",".join(config.network_interfaces)
+        env.update(NCCL_SOCKET_IFNAME=nics, OMPI_MCA_btl_tcp_if_include=nics)
+    env.update(_exports_env(config))
+    path = path_with(bindir, environ.get("PATH", ""))
+    if path:
+        env["PATH"] = path
+    return argv + list(config.command), env
+
+
+def build_command(config, environ, uid, bindir="", program=None):
+    """The (argv, env) that run `config`: pure, so every backend is tested without processes.
+
+    Args:
+        config: a `LaunchConfig`.
+        environ: the launcher's environment (a mapping; read, never changed).
+        uid: the effective user id (see `mpirun_command`).
+        bindir: the launching Python's directory, put first on PATH ("" leaves PATH alone).
+        program: the launcher program's path (see `find_program`); default its bare name.
+
+    Returns:
+        (argv, env): the command as a list, and the variables to set on top of `environ`.
+    """
+    if config.backend not in BACKENDS:
+        raise HvdtrainError(f"unknown backend {config.backend!r}; expected one of {BACKENDS}")
+    program = program or program_for(config.backend)
+    if config.backend in ("gloo", "mpi"):
+        return horovodrun_command(config, environ, bindir, program)
+    if config.backend == "mpirun":
+        return mpirun_command(config, environ, uid, bindir, program)
+    return srun_command(config, environ, bindir, program)
+
+
+def is_secret(name):
+    """True for names that look like they hold a secret (HOROVOD_SECRET_KEY, --api-token)."""
+    return bool(_SECRET.search(name))
+
+
+def redact_argv(argv):
+    """`argv` with secret values replaced: `NAME=value` and `--opt=value` when the name
+    looks secret, and the word after a secret-looking option (`--password hunter2`)."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append(_MASK)
+            hide_next = False
+            continue
+        name, sep, _ = arg.partition("=")
+        if sep and _NAME.fullmatch(name) and is_secret(name):
+            out.append(f"{name}={_MASK}")
+        elif arg.startswith("-") and not sep and is_secret(arg):
+            out.append(arg)
+            hide_next = True
+        else:
+            out.append(arg)
+    return out
+
+
+def format_command(argv, env=None, environ=None):
+    """One shell line: `NAME=value ... argv`, quoted, with secrets masked.
+
+    A PATH that only puts a directory in front of `environ`'s PATH prints as
+    `PATH=/venv/bin:"$PATH"` rather than in full.
+    """
+    words = []
+    for name, value in (env or {}).items():
+        old = (environ or {}).get(name)
+        if is_secret(name):
+            words.append(f"{name}={shlex.quote(_MASK)}")
+        elif old and value.endswith(os.pathsep + old):
+            head = value[: -len(old)]
+            words.append(f'{name}={shlex.quote(head)}"${name}"')
+        else:
+            words.append(f"{name}={shlex.quote(value)}")
+    return " ".join(words + [shlex.quote(arg) for arg in redact_argv(argv)])
