@@ -9,6 +9,7 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bindir=$(dirname "$PYTHON")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install everything hvdtrain needs on this host into ./.venv (idempotent: a second run only checks).
 #
-#   launch/setup_host.sh          # what `make train` and `make test` run first
+#   launch/setup_host.sh          # what `make train` runs first
+#   launch/setup_host.sh --test   # what `make test` runs: also sshd, iproute2, SLURM and munge
+#                                 # (the multi-host and SLURM tests; skipped when not root)
 #
 # Steps: Debian's Open MPI (apt, only if missing) -> Python 3.11 venv -> pinned Python packages
 # (constraints.txt keeps numpy<2) -> Horovod built from source (launch/install_horovod.sh) -> hvdtrain.
@@ -12,11 +14,6 @@ cd "$root"
 venv=${HVDTRAIN_VENV:-.venv}
 stamp="$venv/.hvdtrain-setup"
 inputs=(setup.cfg pyproject.toml constraints.txt launch/setup_host.sh launch/install_horovod.sh)
-
-if [ -f "$stamp" ] && [ "$(cat "${inputs[@]}" | sha256sum)" = "$(cat "$stamp")" ] \
-   && "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
-  exit 0
-fi
 
 apt_install() {
   if [ "$(id -u)" -ne 0 ]; then
@@ -31,7 +28,24 @@ need=()
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
 command -v ssh >/dev/null || need+=(openssh-client)
-[ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
+if [ "${1:-}" = --test ]; then
+  [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+  command -v ip >/dev/null || need+=(iproute2)
+  command -v slurmctld >/dev/null || need+=(slurm-wlm)
+  command -v munged >/dev/null || need+=(munge)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] && [ "${1:-}" = --test ] && command -v mpicc >/dev/null; then
+    echo "setup_host: not root: skipping ${need[*]} (their tests will be skipped)"
+  else
+    apt_install "${need[@]}"
+  fi
+fi
+
+if [ -f "$stamp" ] && [ "$(cat "${inputs[@]}" | sha256sum)" = "$(cat "$stamp")" ] \
+   && "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
+  exit 0
+fi
 
 python=${PYTHON:-python3.11}
 if ! command -v "$python" >/dev/null; then

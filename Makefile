@@ -1,0 +1,35 @@
+# The two commands of the README:
+#   make train   # installs what is missing, then trains MNIST on 2 ranks of this host
+#   make test    # installs what is missing, then lint + the whole test suite
+# A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
+
+VENV   ?= .venv
+NP     ?= 2
+EPOCHS ?= 15
+OUT    ?= out/mnist
+# The embedded digits by default; `make train HVDTRAIN_OFFLINE=0` lets Keras download MNIST.
+HVDTRAIN_OFFLINE ?= 1
+export HVDTRAIN_OFFLINE
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup setup-test train test lint clean
+
+setup:
+	@launch/setup_host.sh
+
+setup-test:
+	@launch/setup_host.sh --test
+
+train: setup
+	horovodrun -np $(NP) -H localhost:$(NP) python -m hvdtrain.mnist --epochs $(EPOCHS) \
+	  --checkpoint-dir $(OUT) --metrics-json $(OUT)/metrics.json
+
+lint: setup
+	ruff check . && ruff format --check .
+
+test: setup-test lint
+	python -m pytest
+
+clean:
+	rm -rf $(OUT) .pytest_cache

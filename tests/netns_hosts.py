@@ -1,0 +1,203 @@
+"""Test hosts as Linux network namespaces, each with its own address, hostname and sshd.
+
+    with NamespaceHosts(2, workdir) as hosts:
+        hosts.run(0, ["horovodrun", "-np", "2", "-H", hosts.hostlist(1), ...])
+
+Each host is a network namespace (`ip netns`) joined to a bridge by a veth pair renamed
+`eth0` (Horovod needs one interface name on all hosts), a UTS namespace with its own
+hostname (Gloo's rendezvous tells hosts apart by name), and an sshd that accepts a key made
+for the test. Only the addresses of these namespaces are used. Everything is torn down on
+exit, also after a failure.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+SUBNET = "10.231.{}.{}"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cannot_make_namespaces():
+    """Why this machine cannot host namespace test hosts, or None if it can."""
+    if os.geteuid() != 0:
+        return "namespace hosts need root (ip netns, veth, sshd)"
+    for tool in ("ip", "unshare", "ssh", "ssh-keygen"):
+        if not shutil.which(tool):
+            return f"`{tool}` is not installed"
+    if not os.path.exists("/usr/sbin/sshd"):
+        return "openssh-server (/usr/sbin/sshd) is not installed"
+    probe = f"hvdtprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"the machine forbids network namespaces: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*argv, check=True):
+    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=60)
+
+
+class NamespaceHosts:
+    def __init__(self, count, workdir):
+        tag = os.getpid() % 200 + 20
+        self.count = count
+        self.workdir = str(workdir)
+        self.bridge = f"hvdtbr{tag}"
+        self.names = [f"hvdt{tag}h{i}" for i in range(count)]
+        self.hostnames = [f"hvd-host{i}" for i in range(count)]
+        self.addresses = [SUBNET.format(tag, i + 1) for i in range(count)]
+        self.bin = os.path.join(self.workdir, "bin")
+        self._sshd = []
+
+    # -- set-up -------------------------------------------------------------------------
+    def __enter__(self):
+        try:
+            self._up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _up(self):
+        w = self.workdir
+        os.makedirs(self.bin, exist_ok=True)
+        os.makedirs("/run/sshd", exist_ok=True)
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{w}/host_key")
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{w}/id")
+        shutil.copy(f"{w}/id.pub", f"{w}/authorized_keys")
+        subnet = self.addresses[0].rsplit(".", 1)[0] + ".*"
+        with open(f"{w}/ssh_config", "w") as f:
+            f.write(
+                f"Host {subnet}\n  IdentityFile {w}/id\n  StrictHostKeyChecking no\n"
+                "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
+                "  ConnectTimeout 10\n"
+            )
+        # horovodrun and mpirun call `ssh` from PATH: this one reads the test's config.
+        with open(f"{self.bin}/ssh", "w") as f:
+            f.write(f'#!/bin/sh\nexec /usr/bin/ssh -F {w}/ssh_config "$@"\n')
+        os.chmod(f"{self.bin}/ssh", 0o755)
+
+        # Each host resolves every host's name (`ip netns exec` mounts /etc/netns/NS/hosts on
+        # /etc/hosts): Horovod's Gloo process sets look up the host's own name and crash
+        # (SIGSEGV in gloo::transport::tcp::CreateDevice) when it does not resolve.
+        names = "".join(f"{a} {n}\n" for a, n in zip(self.addresses, self.hostnames, strict=True))
+        for ns in self.names:
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n" + names)
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.names):
+            veth = f"{ns}v"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{ns}b")
+            _sh("ip", "link", "set", f"{ns}b", "master", self.bridge)
+            _sh("ip", "link", "set", f"{ns}b", "up")
+            _sh("ip", "link", "set", veth, "netns", ns)
+            ip = ["ip", "netns", "exec", ns, "ip"]
+            _sh(*ip, "link", "set", veth, "name", "eth0")
+            _sh(*ip, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _sh(*ip, "link", "set", "eth0", "up")
+            _sh(*ip, "link", "set", "lo", "up")
+            sshd = [
+                "/usr/sbin/sshd",
+                "-D",
+                "-e",
+                "-f",
+                "/dev/null",
+                "-o",
+                f"HostKey={w}/host_key",
+                "-o",
+                f"PidFile={w}/sshd{i}.pid",
+                "-o",
+                f"AuthorizedKeysFile={w}/authorized_keys",
+                "-o",
+                "PermitRootLogin=yes",
+                "-o",
+                "StrictModes=no",
+                "-o",
+                "UsePAM=no",
+                "-o",
+                f"ListenAddress={self.addresses[i]}",
+                "-o",
+                "MaxStartups=100",
+                "-o",
+                "MaxSessions=100",
+                "-o",
+                "SetEnv=PATH=" + os.path.dirname(sys.executable) + ":/usr/local/bin:/usr/bin:/bin",
+            ]
+            log = open(f"{w}/sshd{i}.log", "w")  # noqa: SIM115 (closed with the process)
+            self._sshd.append(
+                subprocess.Popen(
+                    self._in(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+        for i in range(self.count):  # every host reaches every host over ssh
+            for j in range(self.count):
+                self.run(i, ["ssh", self.addresses[j], "true"], timeout=30, retries=20)
+
+    def _in(self, i, argv):
+        """argv run inside host i: its network namespace and a UTS namespace of its own name."""
+        script = f'hostname {self.hostnames[i]} && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.names[i],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
+
+    # -- use ----------------------------------------------------------------------------
+    def env(self, **extra):
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([self.bin, os.path.dirname(sys.executable), env["PATH"]])
+        env.update(extra)
+        return env
+
+    def hostlist(self, slots):
+        return ",".join(f"{a}:{slots}" for a in self.addresses)
+
+    def run(self, i, argv, timeout, retries=0, **env):
+        """Runs argv on host i (from its namespace); returns the CompletedProcess."""
+        for attempt in range(retries + 1):
+            proc = subprocess.run(
+                self._in(i, argv),
+                env=self.env(**env),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if proc.returncode == 0 or attempt == retries:
+                return proc
+            # sshd may not listen yet: wait for it to answer, bounded by `retries`.
+            subprocess.run(["sleep", "0.2"])
+        return proc
+
+    # -- tear-down ----------------------------------------------------------------------
+    def close(self):
+        for p in self._sshd:
+            p.kill()
+            p.wait(timeout=30)
+        for ns in self.names:
+            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        _sh("ip", "link", "del", self.bridge, check=False)
