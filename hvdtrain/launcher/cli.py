@@ -1,0 +1,374 @@
+"""hvdtrain-run: start a Horovod job on this host, a host list, or a SLURM allocation.
+
+Usage::
+
+    hvdtrain-run [-np N] [-H HOST:SLOTS,... | --hostfile FILE] [--backend B] [...] [--] COMMAND
+    hvdtrain-run doctor [-H ... | --hostfile FILE] [--python PYTHON] [--timeout S]
+    hvdtrain-run k8s --workers W --gpus-per-worker G [--image IMAGE] [--name NAME] [-- COMMAND]
+
+One host, two hosts, a hostfile, plain mpirun, a SLURM job, a look before launching::
+
+    hvdtrain-run -np 2 -- python -m hvdtrain.mnist --epochs 1
+    hvdtrain-run -H node1:4,node2:4 -- python -m hvdtrain.mnist
+    hvdtrain-run --hostfile hosts.txt --backend mpirun -- python -m hvdtrain.mnist
+    sbatch launch/hvdtrain.sbatch          # inside: hvdtrain-run -- python -m hvdtrain.mnist
+    hvdtrain-run --dry-run -H node1:4,node2:4 -- python -m hvdtrain.mnist
+    hvdtrain-run doctor --hostfile hosts.txt
+
+Hosts: `-H` or `--hostfile` (Open MPI `host slots=N`, MPICH `host:N` or a bare `host`;
+see launch/hosts.example); else the SLURM allocation (SLURM_JOB_ID and its node list);
+else localhost with `-np` slots. `-np` defaults to all the slots.
+
+Backends: `gloo` (default outside SLURM; `horovodrun --gloo`), `mpi` (`horovodrun --mpi`),
+`mpirun` (plain Open MPI mpirun with Horovod's settings), `srun` (default inside SLURM;
+`srun --mpi=pmix`). horovodrun and mpirun are taken from the launching Python's directory
+first (the virtualenv), then PATH; that directory also goes first on the ranks' PATH.
+
+Exit status: the job's own (non-zero when any rank fails); 128+N when it died of signal N;
+2 for a mistake in the options, printed as one line. SIGINT and SIGTERM are forwarded to
+the job's whole process group. `--dry-run` prints the command as one shell line and exits
+0; values of variables and options that look secret (*SECRET*, *TOKEN*, *KEY*, *PASSWORD*)
+are never printed.
+"""
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+
+from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.launcher import doctor, kubernetes
+from hvdtrain.launcher.commands import (
+    BACKENDS,
+    TUNABLES,
+    LaunchConfig,
+    build_command,
+    find_program,
+    format_command,
+    program_for,
+)
+from hvdtrain.launcher.hosts import (
+    format_hosts,
+    local_hosts,
+    parse_hosts_arg,
+    read_hostfile,
+    total_slots,
+)
+from hvdtrain.launcher.slurm import detect_allocation
+
+__all__ = ["main", "parse_args", "make_config", "resolve_hosts", "run_command", "k8s_main"]
+
+PROG = "hvdtrain-run"
+_INSTALL_HINT = {
+    "horovodrun": "install Horovod into this Python's environment (launch/setup_host.sh)",
+    "mpirun": "install Open MPI (apt-get install openmpi-bin) or use --backend gloo",
+    "srun": "run inside a SLURM allocation (sbatch/salloc) or choose --backend gloo or mpirun",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump, no traceback
+        raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
+
+
+def _build_parser():
+    p = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "-np", "--num-proc", dest="np", metavar="N", help="processes (default: all slots)"
+    )
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="e.g. a:4,b:4")
+    hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="one host per line")
+    p.add_argument("--backend", choices=BACKENDS, help="default: srun inside SLURM, else gloo")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not echo the command to stderr")
+    tune = p.add_argument_group("Horovod settings (horovodrun flags, or HOROVOD_* variables)")
+    tune.add_argument("--fusion-threshold-mb", metavar="MB", help="fusion buffer (default 128)")
+    tune.add_argument("--cycle-time-ms", metavar="MS", help="fusion cycle (default 1)")
+    tune.add_argument("--timeline-filename", metavar="FILE", help="write a Horovod timeline")
+    tune.add_argument("--stall-check-warning-time-seconds", metavar="S", help="default 60")
+    tune.add_argument("--stall-check-shutdown-time-seconds", metavar="S", help="default 0 (off)")
+    tune.add_argument(
+        "--network-interface",
+        action="append",
+        metavar="NIC",
+        help="NIC(s) for Horovod, MPI and NCCL, e.g. eth0 (repeat or comma-separate)",
+    )
+    net = p.add_argument_group("remote hosts and MPI")
+    net.add_argument("--ssh-port", metavar="PORT", help="ssh port on every host")
+    net.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key")
+    net.add_argument(
+        "-x",
+        "--env",
+        dest="exports",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="set or forward a variable on every rank (repeatable)",
+    )
+    net.add_argument(
+        "--mpi-args",
+        metavar="ARGS",
+        help='extra mpirun arguments, with =: --mpi-args="--report-bindings"',
+    )
+    doc = p.add_argument_group("doctor (also `hvdtrain-run doctor ...`)")
+    doc.add_argument("--doctor", action="store_true", help="check the hosts instead of launching")
+    doc.add_argument("--python", metavar="PATH", help="the Python on the hosts (default: this one)")
+    doc.add_argument("--timeout", default="120", metavar="S", help="seconds per host (default 120)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    return p
+
+
+def _positive(args, name, flag, minimum=1, kind=int):
+    """Converts option `name` to `kind` and checks it is >= minimum; None when not given."""
+    text = getattr(args, name)
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum or (kind is float and value != value):
+        what = "an integer" if kind is int else "a number"
+        raise invalid_value(flag, text, f"{what} >= {minimum}, e.g. {flag} {max(minimum, 1)}")
+    return value
+
+
+def parse_args(argv=None):
+    """Parses and checks the options (reads nothing but `argv`)."""
+    args = _build_parser().parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    args.np = _positive(args, "np", "-np")
+    args.ssh_port = _positive(args, "ssh_port", "--ssh-port")
+    if args.ssh_port is not None and args.ssh_port > 65535:
+        raise invalid_value("--ssh-port", args.ssh_port, "a port number from 1 to 65535")
+    args.timeout = _positive(args, "timeout", "--timeout", kind=float)
+    args.tunables = {}
+    for name, minimum, kind in (
+        ("fusion_threshold_mb", 0, int),
+        ("cycle_time_ms", 0.001, float),
+        ("stall_check_warning_time_seconds", 1, int),
+        ("stall_check_shutdown_time_seconds", 0, int),
+    ):
+        value = _positive(args, name, TUNABLES[name].flag, minimum, kind)
+        if value is not None:
+            args.tunables[name] = value
+    if args.timeline_filename is not None:
+        if not args.timeline_filename:
+            raise invalid_value("--timeline-filename", "", "a file path")
+        args.tunables["timeline_filename"] = args.timeline_filename
+    nics = [n.strip() for item in args.network_interface or [] for n in item.split(",")]
+    if any(not re.fullmatch(r"[A-Za-z0-9_.:@\-]+", n) for n in nics):
+        raise invalid_value("--network-interface", ",".join(nics), "interface names such as eth0")
+    args.network_interfaces = tuple(nics)
+    exports = []
+    for item in args.exports:
+        name, sep, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise invalid_value("-x", item, "NAME or NAME=VALUE with NAME a variable name")
+        exports.append((name, value if sep else None))
+    args.exports = tuple(exports)
+    try:
+        args.mpi_args = tuple(shlex.split(args.mpi_args or ""))
+    except ValueError as e:
+        raise invalid_value("--mpi-args", args.mpi_args, f"shell words ({e})") from None
+    return args
+
+
+def resolve_hosts(args, environ):
+    """(hosts, where they came from, the SLURM allocation or None) for `args`."""
+    allocation = detect_allocation(environ)
+    if args.hosts:
+        return parse_hosts_arg(args.hosts), "`-H`", allocation
+    if args.hostfile:
+        return read_hostfile(args.hostfile), args.hostfile, allocation
+    if allocation:
+        return allocation.hosts, f"SLURM job {allocation.job_id}", allocation
+    return local_hosts(args.np or 1), "localhost", None
+
+
+def make_config(args, environ):
+    """Turns parsed `args` and the environment into a checked `LaunchConfig` (no processes).
+
+    Raises:
+        HvdtrainError: no command, -np above the slots, a backend that cannot run here, or
+            options that the backend cannot use.
+    """
+    if not args.command:
+        raise HvdtrainError(
+            "no command to run; expected e.g. `hvdtrain-run -np 2 -- python -m hvdtrain.mnist`"
+        )
+    hosts, source, allocation = resolve_hosts(args, environ)
+    explicit = bool(args.hosts or args.hostfile)
+    slots = total_slots(hosts)
+    np = args.np
+    if np is None:
+        np = allocation.ntasks if allocation and not explicit else slots
+    if np > slots:
+        raise invalid_value(
+            "-np", np, f"at most {slots}, the total slots of {source} ({format_hosts(hosts)})"
+        )
+    backend = args.backend or ("srun" if allocation and not explicit else "gloo")
+    if backend == "srun":
+        if not allocation:
+            raise invalid_value(
+                "--backend",
+                "srun",
+                "gloo, mpi or mpirun outside a SLURM allocation (SLURM_JOB_ID and "
+                "SLURM_JOB_NODELIST are not set); run inside sbatch or salloc",
+            )
+        if explicit:
+            raise invalid_value(
+                "--backend", "srun", "no -H/--hostfile (srun places tasks on the allocation)"
+            )
+        for flag, value in (
+            ("--ssh-port", args.ssh_port),
+            ("--ssh-identity-file", args.ssh_identity_file),
+        ):
+            if value:
+                raise invalid_value(flag, value, "nothing with --backend srun, which uses no ssh")
+    if args.mpi_args and backend not in ("mpi", "mpirun"):
+        raise invalid_value("--mpi-args", shlex.join(args.mpi_args), "--backend mpi or mpirun")
+    for name, value in args.exports:
+        if value is None and name not in environ:
+            raise invalid_value("-x", name, f"a variable set here, or {name}=VALUE")
+    return LaunchConfig(
+        backend=backend,
+        np=np,
+        hosts=tuple(hosts),
+        command=tuple(args.command),
+        tunables=dict(args.tunables),
+        network_interfaces=args.network_interfaces,
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        exports=args.exports,
+        mpi_args=args.mpi_args,
+    )
+
+
+def run_command(argv, env):
+    """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
+    group; returns its exit code (128+N when it died of signal N)."""
+    child, pending = [], []
+
+    def forward(signum, frame):
+        if not child:  # not started yet: pass it on as soon as it is
+            pending.append(signum)
+            return
+        try:
+            os.killpg(child[0].pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            child.append(subprocess.Popen(argv, env=env, start_new_session=True))
+        except OSError as e:
+            raise HvdtrainError(f"cannot run {argv[0]}: {e.strerror or e}") from None
+        for signum in pending:
+            forward(signum, None)
+        code = child[0].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _launch(args):
+    environ = dict(os.environ)
+    config = make_config(args, environ)
+    bindir = os.path.dirname(sys.executable)
+    name = program_for(config.backend)
+    program = find_program(name, bindir, environ.get("PATH", ""))
+    if program is None and not args.dry_run:
+        raise HvdtrainError(f"{name} not found in {bindir} or on PATH; {_INSTALL_HINT[name]}")
+    argv, env = build_command(config, environ, os.geteuid(), bindir, program or name)
+    line = format_command(argv, env, environ)
+    if args.dry_run:
+        print(line, flush=True)
+        return 0
+    if not args.quiet:
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    return run_command(argv, {**environ, **env})
+
+
+def _own_names():
+    name = socket.gethostname()
+    return tuple(dict.fromkeys([name, name.split(".")[0]]))
+
+
+def _doctor(args):
+    if args.command:
+        raise HvdtrainError(
+            f"doctor takes no command (received {shlex.join(args.command)!r}); "
+            "expected e.g. `hvdtrain-run doctor --hostfile hosts.txt`"
+        )
+    hosts, _, _ = resolve_hosts(args, os.environ)
+    return doctor.run_doctor(
+        hosts,
+        python=args.python or sys.executable,
+        launch_python=sys.executable,
+        own_names=_own_names(),
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        timeout=args.timeout,
+    )
+
+
+def k8s_main(argv):
+    """`hvdtrain-run k8s ...`: prints the MPIJob YAML (see `hvdtrain.launcher.kubernetes`)."""
+    p = _Parser(
+        prog=f"{PROG} k8s",
+        description=kubernetes.__doc__.split("\n")[0],
+        epilog=kubernetes.__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--workers", required=True, metavar="W", help="worker pods")
+    p.add_argument("--gpus-per-worker", required=True, metavar="G", help="GPUs (ranks) per pod")
+    p.add_argument("--image", default=kubernetes.DEFAULT_IMAGE, help="default hvdtrain:latest")
+    p.add_argument("--name", default="hvdtrain", help="the MPIJob's name (default hvdtrain)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="default: python -m hvdtrain.mnist")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    text = kubernetes.render_mpijob(
+        args.workers, args.gpus_per_worker, args.image, command or None, args.name
+    )
+    sys.stdout.write(text)
+    return 0
+
+
+def main(argv=None):
+    """`hvdtrain-run`: parse -> config -> build -> run; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["k8s"]:
+            return k8s_main(argv[1:])
+        if argv[:1] == ["doctor"]:
+            args = parse_args(argv[1:])
+            args.doctor = True
+        else:
+            args = parse_args(argv)
+        if args.doctor:
+            return _doctor(args)
+        return _launch(args)
+    except HvdtrainError as e:
+        exit_with_error(PROG, e)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
