@@ -146,8 +146,18 @@ def exported_names(environ):
     )
 
 
+def _tunables(config):
+    """The given tunables as (name, value), always in `TUNABLES` order."""
+    return [(name, config.tunables[name]) for name in TUNABLES if name in config.tunables]
+
+
+def _word(value):
+    """A flag's value as text: 2.5 -> '2.5', 5.0 -> '5', 64 -> '64'."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _tunable_env(config):
-    return {TUNABLES[k].env: TUNABLES[k].to_env(v) for k, v in config.tunables.items()}
+    return {TUNABLES[name].env: TUNABLES[name].to_env(value) for name, value in _tunables(config)}
 
 
 def _exports_env(config):
@@ -158,8 +168,8 @@ def _exports_env(config):
 def horovodrun_command(config, environ, bindir="", program="horovodrun"):
     """`horovodrun --gloo|--mpi -np N -H hosts [tunables] command`, and its environment."""
     argv = [program, f"--{config.backend}", "-np", str(config.np), "-H", format_hosts(config.hosts)]
-    for name, value in config.tunables.items():
-        argv += [TUNABLES[name].flag, str(value)]
+    for name, value in _tunables(config):
+        argv += [TUNABLES[name].flag, _word(value)]
     if config.network_interfaces:
         argv += ["--network-interfaces", ",".join(config.network_interfaces)]
     if config.ssh_port:
