@@ -78,6 +78,10 @@ def test_host_problems():
     assert host_problems({"error": "ssh failed: x"}, GOOD) == ["ssh failed: x"]
     broken = dict(GOOD, build={}, check_build_error="exit 1: boom")
     assert host_problems(broken) == ["horovodrun --check-build failed: exit 1: boom"]
+    unnamed = dict(GOOD, hostname_resolves=False)
+    assert host_problems(unnamed, GOOD) == [
+        "hostname 'n1' does not resolve; add it to /etc/hosts or DNS"
+    ]
 
 
 def test_lines():

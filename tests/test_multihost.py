@@ -1,6 +1,7 @@
 """Two hosts for real: network namespaces with sshd, MNIST trained with ranks on both."""
 
 import json
+import re
 
 import pytest
 from netns_hosts import NamespaceHosts, cannot_make_namespaces
@@ -21,30 +22,16 @@ def test_mnist_epoch_with_ranks_on_two_hosts(hosts, backend, tmp_path):
 
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(
-        "# two namespace hosts\n" + "".join(f"{a} slots=1\n" for a in hosts.addresses)
+        "# two namespace hosts, two dialects\n"
+        f"{hosts.addresses[0]} slots=1\n\n{hosts.addresses[1]}:1  # MPICH style\n"
     )
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
     argv = [
-        "horovodrun",
-        "-np",
-        "2",
-        "-H",
-        hosts.hostlist(1),
-        f"--{backend}",
-        "--network-interface",
-        "eth0",
-        sys.executable,
-        "-m",
-        "hvdtrain.mnist",
-        "--epochs",
-        "1",
-        "--limit-samples",
-        "2048",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--metrics-json",
-        str(metrics),
-    ]
+        "hvdtrain-run", "--hostfile", str(hostfile), "--backend", backend,
+        "--network-interface", "eth0", "--",
+        sys.executable, "-m", "hvdtrain.mnist", "--epochs", "1", "--limit-samples", "2048",
+        "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics),
+    ]  # fmt: skip
     proc = hosts.run(0, argv, timeout=300, HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     m = json.loads(metrics.read_text())
@@ -55,3 +42,22 @@ def test_mnist_epoch_with_ranks_on_two_hosts(hosts, backend, tmp_path):
     manifest = json.loads((ckpt / "epoch-0001" / "manifest.json").read_text())
     rank0 = next(r for r in m["ranks"] if r["rank"] == 0)
     assert manifest["written_by"] == {"host": rank0["hostname"], "pid": rank0["pid"]}
+
+
+def test_doctor_checks_every_host_over_ssh(hosts, tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
+    proc = hosts.run(0, ["hvdtrain-run", "doctor", "--hostfile", str(hostfile)], timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for address in hosts.addresses:
+        assert any(line.startswith(f"{address}: ok (") for line in lines), lines
+    assert lines[-1].startswith("doctor: ok: 3 hosts ready")
+
+    # A host that is not there: one line that says so, a verdict, a non-zero exit.
+    absent = hosts.addresses[0].rsplit(".", 1)[0] + ".99"
+    hostfile.write_text(f"{hosts.addresses[1]} slots=1\n{absent} slots=1\n")
+    proc = hosts.run(0, ["hvdtrain-run", "doctor", "--hostfile", str(hostfile)], timeout=300)
+    assert proc.returncode != 0
+    assert re.search(rf"^{re.escape(absent)}: problem: .*ssh", proc.stdout, re.M), proc.stdout
+    assert "doctor: problem on 1 of 3 hosts" in proc.stdout

@@ -18,7 +18,8 @@ TensorFlow: it reads versions with `importlib.metadata`, runs `horovodrun --chec
     doctor: problem on 1 of 3 hosts (node2)
 
 and exits 1 when any host has a problem: unreachable, a package missing, Horovod built
-without TensorFlow, Gloo or MPI, versions that differ from the launch host (Python by
+without TensorFlow, Gloo or MPI, a hostname that does not resolve (Horovod's Gloo
+crashes on it), versions that differ from the launch host (Python by
 major.minor; TensorFlow, Horovod and hvdtrain exactly), or more slots than GPUs.
 """
 
@@ -78,6 +79,11 @@ if not gpus and shutil.which("nvidia-smi"):
     except (OSError, subprocess.SubprocessError):
         pass
 report["gpus"] = gpus
+try:
+    socket.getaddrinfo(report["hostname"], None)
+    report["hostname_resolves"] = True
+except OSError:
+    report["hostname_resolves"] = False
 if report["horovod"]:
     try:
         out = subprocess.run(
@@ -186,6 +192,11 @@ def host_problems(report, reference=None, slots=None):
             missing = [name for name in REQUIRED_BUILD if not report.get("build", {}).get(name)]
             if missing:
                 problems.append(f"Horovod built without {', '.join(missing)}")
+    if report.get("hostname_resolves") is False:
+        # Horovod's Gloo process sets look the host's own name up and crash (SIGSEGV) if not.
+        problems.append(
+            f"hostname {report.get('hostname')!r} does not resolve; add it to /etc/hosts or DNS"
+        )
     gpus = report.get("gpus") or 0
     if slots and gpus and slots > gpus:
         problems.append(f"{slots} slots but {gpus} GPUs (one process per GPU)")
