@@ -67,17 +67,27 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     return share
 
 
-def init(threads=None, pin_gpu=True):
+def init(threads=None, pin_gpu=True, comm=None):
     """Initialises Horovod and this process's devices; call once, before building models.
 
     Args:
         threads: intra-op threads per rank; by default the host's cores / local ranks.
         pin_gpu: pin one GPU per local rank with memory growth on (a no-op without GPUs).
+        comm: the ranks that form this Horovod job: an mpi4py communicator (e.g. from
+            `MPI.COMM_WORLD.Split`) or a list of ranks of MPI_COMM_WORLD; by default all of
+            them. Needs Horovod on MPI (`mpirun`, `horovodrun --mpi`; not Gloo); import
+            mpi4py before this call, so that mpi4py initialises MPI and finalises it at exit.
 
     Returns:
         The GPU index used, or None on a CPU-only host.
     """
-    hvd.init()
+    hvd.init(comm=comm)
+    if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
+        raise HvdtrainError(
+            f"Invalid value for `comm`: received a {type(comm).__name__} while Horovod runs on "
+            "Gloo, which ignores it; expected None. Launch with `mpirun` or `horovodrun --mpi` "
+            "to train on a communicator."
+        )
     cpus = os.cpu_count() or 1
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     n = threads or threads_per_rank(cpus, hvd.local_size(), affinity)

@@ -1,0 +1,91 @@
+"""examples/: the single-device diff stays small, and each example trains on 2 real ranks."""
+
+import ast
+import difflib
+import json
+import os
+import re
+
+from conftest import ROOT, run_job
+
+EXAMPLES = os.path.join(ROOT, "examples")
+LAUNCH_COMMANDS = [
+    "horovodrun -np 2 -H localhost:2 python examples/{}",
+    "hvdtrain-run --hostfile hosts.txt -- python examples/{}",
+    "mpirun -np 2 python examples/{}",
+]
+
+
+def _read(name):
+    with open(os.path.join(EXAMPLES, name)) as f:
+        return f.read()
+
+
+def _rank_lines(output, rank):
+    return [line for line in output.splitlines() if re.match(rf"\[{rank}\]<std(out|err)>", line)]
+
+
+def test_keras_fit_is_the_single_device_script_plus_at_most_10_marked_lines():
+    single, dist = _read("keras_fit_single.py"), _read("keras_fit.py")
+    diff = list(difflib.unified_diff(single.splitlines(), dist.splitlines(), lineterm=""))
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    assert 0 < len(added) <= 10, "\n".join(diff)
+    assert len(removed) <= len(added)
+    assert all("# Horovod:" in line for line in added), "\n".join(added)
+
+
+def test_docstrings_give_the_launch_commands():
+    for name in ("keras_fit.py", "custom_loop.py"):
+        doc = ast.get_docstring(ast.parse(_read(name)))
+        assert f"python examples/{name}" in doc
+        for command in LAUNCH_COMMANDS:
+            assert command.format(name) in doc, (name, command)
+
+
+def test_single_device_script_runs(tmp_path):
+    metrics = tmp_path / "m.json"
+    args = ["--epochs", "1", "--steps", "3", "--metrics-json", str(metrics)]
+    run_job(1, "none", [os.path.join(EXAMPLES, "keras_fit_single.py"), *args])
+    m = json.loads(metrics.read_text())
+    assert len(m["history"]["loss"]) == 1 and 0 <= m["test"]["accuracy"] <= 1
+
+
+def test_keras_fit_on_two_ranks(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    args = ["--epochs", "2", "--steps", "5", "--checkpoint-dir", str(ckpt)]
+    proc = run_job(
+        2, "gloo", [os.path.join(EXAMPLES, "keras_fit.py"), *args, "--metrics-json", str(metrics)]
+    )
+    m = json.loads(metrics.read_text())
+    assert [r["rank"] for r in m["ranks"]] == [0, 1]
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len(m["history"]["loss"]) == 2 and 0 <= m["test"]["accuracy"] <= 1
+    assert sorted(os.listdir(ckpt)) == ["epoch-01.weights.h5", "epoch-02.weights.h5"]
+    output = proc.stdout + proc.stderr
+    assert any("test loss" in line for line in _rank_lines(output, 0))
+    assert not _rank_lines(output, 1), output[-3000:]
+
+
+def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    script = os.path.join(EXAMPLES, "custom_loop.py")
+    args = ["--steps", "5", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
+    proc = run_job(2, "gloo", [script, "--epochs", "2", *args])
+    m = json.loads(metrics.read_text())
+    assert m["size"] == 2 and m["start_epoch"] == 0 and m["optimizer_steps"] == 10
+    assert [h["epoch"] for h in m["history"]] == [1, 2]
+    assert [r["rank"] for r in m["ranks"]] == [0, 1]
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert sorted(os.listdir(ckpt)) == ["epoch-0001", "epoch-0002"]
+    manifest = json.loads((ckpt / "epoch-0002" / "manifest.json").read_text())
+    assert manifest["written_by"]["pid"] == m["ranks"][0]["pid"]  # rank 0 wrote it
+    output = proc.stdout + proc.stderr
+    assert len([line for line in _rank_lines(output, 0) if "samples/s" in line]) == 2
+    assert not _rank_lines(output, 1), output[-3000:]
+
+    run_job(2, "gloo", [script, "--epochs", "3", *args])  # the same command, one epoch more
+    m = json.loads(metrics.read_text())
+    assert m["start_epoch"] == 2 and m["optimizer_steps"] == 15  # optimizer state restored
+    assert [h["epoch"] for h in m["history"]] == [3]
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
