@@ -40,20 +40,27 @@ def steps_per_epoch(num_samples, batch_size, size):
     return steps
 
 
-def train_dataset(x, y, batch_size, rank, size, seed=0, shuffle=True):
+def train_dataset(x, y, batch_size, rank, size, seed=0, shuffle=True, map_fn=None, cache=True):
     """An endless, per-rank training dataset; run it for `steps_per_epoch(...)` steps.
 
-    Shard -> cache -> shuffle (reshuffled each epoch) -> repeat -> batch -> prefetch.
+    Shard -> cache -> shuffle (reshuffled each epoch) -> repeat -> map -> batch -> prefetch.
+    `map_fn(x, y)` (decoding, augmentation) runs after the shuffle, in parallel, so random
+    augmentations differ every epoch; `cache=False` for data too large for memory.
     """
     idx = shard_indices(len(x), rank, size)
-    ds = tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).cache()
+    ds = tf.data.Dataset.from_tensor_slices((x[idx], y[idx]))
+    if cache:
+        ds = ds.cache()
     if shuffle:
         ds = ds.shuffle(len(idx), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.repeat().batch(batch_size, drop_remainder=True)
+    ds = ds.repeat()
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def eval_dataset(x, y, batch_size, rank, size):
+def eval_dataset(x, y, batch_size, rank, size, map_fn=None):
     """This rank's shard of an evaluation set, each sample once (the last batch may be short).
 
     Shards differ in size, so ranks may run different numbers of batches: evaluation
@@ -61,4 +68,6 @@ def eval_dataset(x, y, batch_size, rank, size):
     """
     idx = shard_indices(len(x), rank, size)
     ds = tf.data.Dataset.from_tensor_slices((x[idx], y[idx]))
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)

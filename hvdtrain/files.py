@@ -20,13 +20,23 @@ def write_json(path, obj):
     return path
 
 
-def export_model(model, build_fn, path):
+def export_model(model, build_fn, path, policy=None):
     """Saves `model`'s weights in a fresh copy from `build_fn()` that plain Keras loads.
 
     The copy has no Horovod optimizer, so `tf.keras.models.load_model(path)` works without
-    Horovod installed. Written to a temporary file first, then renamed.
+    Horovod installed; it is built in float32 when `model` was trained under the mixed
+    precision `policy`. Written to a temporary file first, then renamed.
     """
-    plain = build_fn()
+    if policy:
+        import tensorflow as tf
+
+        tf.keras.mixed_precision.set_global_policy("float32")
+        try:
+            plain = build_fn()
+        finally:
+            tf.keras.mixed_precision.set_global_policy(policy)
+    else:
+        plain = build_fn()
     plain.set_weights(model.get_weights())
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f".export-{os.getpid()}.keras")

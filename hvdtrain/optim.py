@@ -17,6 +17,7 @@ __all__ = [
     "warmup_lr",
     "WarmupSchedule",
     "distributed_optimizer",
+    "fp16_compression",
     "broadcast_initial_state",
 ]
 
@@ -58,13 +59,28 @@ class WarmupSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
         return {"base_lr": self.base_lr, "size": self.size, "warmup_steps": self.warmup_steps}
 
 
-def distributed_optimizer(optimizer, **kwargs):
+def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1, **kwargs):
     """Wraps a Keras optimizer so gradients are averaged across ranks before each update.
 
-    Keyword arguments go to `hvd.DistributedOptimizer` (e.g. `compression`,
-    `backward_passes_per_step`).
+    Args:
+        optimizer: a Keras optimizer.
+        compression: e.g. `fp16_compression()` to send float16 gradients (opt-in: it
+            changes the math slightly); None sends them as they are.
+        backward_passes_per_step: average the gradients of this many local batches before
+            each allreduce and update (local gradient accumulation; 1 = off).
+        **kwargs: passed on to `hvd.DistributedOptimizer`.
     """
+    if compression is not None:
+        kwargs["compression"] = compression
+    if backward_passes_per_step > 1:
+        kwargs["backward_passes_per_step"] = backward_passes_per_step
+        kwargs.setdefault("average_aggregated_gradients", True)
     return hvd_keras.DistributedOptimizer(optimizer, **kwargs)
+
+
+def fp16_compression():
+    """Horovod's float16 gradient compression, for `distributed_optimizer(compression=...)`."""
+    return hvd.Compression.fp16
 
 
 def broadcast_initial_state(model, optimizer=None, root_rank=0):
