@@ -2,8 +2,8 @@
 # TensorFlow 2.15.1, Open MPI, NCCL, and Horovod 0.28.1 built from source with NCCL by the same
 # script as the host set-up (launch/install_horovod.sh).
 #
-#   docker build -t hvdtrain-gpu .
-#   docker run --rm --gpus all --ipc=host hvdtrain-gpu \
+#   docker build -t hvdtrain .
+#   docker run --rm --gpus all --ipc=host hvdtrain \
 #       horovodrun -np 4 -H localhost:4 python -m hvdtrain.mnist
 #
 # The image runs as the non-root user `hvd` (uid 1000, home /home/hvd). For several nodes, each
