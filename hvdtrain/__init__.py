@@ -39,6 +39,8 @@ _EXPORTS = {
     "distributed_optimizer": "optim",
     "fp16_compression": "optim",
     "broadcast_initial_state": "optim",
+    "average_model_state": "optim",
+    "ModelStateAverageCallback": "callbacks",
     "weighted_mean": "metrics",
     "evaluate": "metrics",
     "MetricAverageCallback": "metrics",

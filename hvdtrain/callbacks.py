@@ -6,7 +6,12 @@ import time
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["CheckpointCallback", "ThroughputCallback", "rank0_callbacks"]
+__all__ = [
+    "CheckpointCallback",
+    "ThroughputCallback",
+    "ModelStateAverageCallback",
+    "rank0_callbacks",
+]
 
 log = logging.getLogger("hvdtrain")
 
@@ -29,6 +34,16 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             return
         path = self.manager.save(epoch + 1, {**self.extra, "logs": _floats(logs)})
         log.info("saved checkpoint %s (epoch %d)", path, epoch + 1)
+
+
+class ModelStateAverageCallback(tf.keras.callbacks.Callback):
+    """At the end of each epoch, averages non-trainable state (BatchNorm statistics) over
+    ranks (see `hvdtrain.average_model_state`); put it before evaluation and checkpoints."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        from hvdtrain.optim import average_model_state
+
+        average_model_state(self.model)
 
 
 class ThroughputCallback(tf.keras.callbacks.Callback):

@@ -19,6 +19,7 @@ __all__ = [
     "distributed_optimizer",
     "fp16_compression",
     "broadcast_initial_state",
+    "average_model_state",
 ]
 
 
@@ -97,3 +98,18 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
         variables += list(optimizer.variables)
     if hvd.size() > 1:
         hvd.broadcast_variables(variables, root_rank=root_rank)
+
+
+def average_model_state(model):
+    """Averages the model's non-trainable float variables (BatchNorm's moving mean and
+    variance) over all ranks.
+
+    The distributed optimizer keeps trainable weights identical, but each rank updates its
+    moving statistics from its own batches, so they drift apart; averaging them at the end
+    of each epoch gives every rank (and rank 0's checkpoint) statistics of all the data.
+    """
+    if hvd.size() == 1:
+        return
+    for v in model.non_trainable_variables:
+        if v.dtype.is_floating:
+            v.assign(hvd.allreduce(v, op=hvd.Average, name=f"hvdtrain.state.{v.name}"))

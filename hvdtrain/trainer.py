@@ -169,15 +169,15 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
 
     steps = data.steps_per_epoch(len(x_train), args.batch_size * args.accumulate, size)
     steps *= args.accumulate  # whole accumulation cycles per epoch
-    warmup_steps = round(args.warmup_epochs * steps / args.accumulate)
+    warmup_steps = round(args.warmup_epochs * steps)  # optimizer.iterations counts micro-steps
     policy = _mixed_precision_policy(args.mixed_precision)
     if policy:
         tf.keras.mixed_precision.set_global_policy(policy)
     model = build_model()
     if policy:  # logits back to float32 for a stable softmax and loss
-        model = tf.keras.Sequential(
-            [model, tf.keras.layers.Activation("linear", dtype="float32")], name=model.name
-        )
+        inputs = tf.keras.Input(model.input_shape[1:])
+        logits = tf.keras.layers.Activation("linear", dtype="float32")(model(inputs))
+        model = tf.keras.Model(inputs, logits, name=model.name)
     # Horovod: the base LR is the single-worker one; the schedule scales it by size after a warmup.
     schedule = hvdtrain.WarmupSchedule(args.lr, size, warmup_steps)
     if optimizer == "sgd":
@@ -230,6 +230,8 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
     test_ds = data.eval_dataset(x_test, y_test, 256, rank, size, map_fn=d.eval_map)
     throughput = hvdtrain.ThroughputCallback(args.batch_size * size, steps)
     callbacks = [
+        # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
+        callbacks_mod.ModelStateAverageCallback(),
         # Horovod: average the epoch's metrics over ranks first, so everything after sees them.
         hvdtrain.MetricAverageCallback(
             steps * args.batch_size, evaluate_fn=lambda: hvdtrain.evaluate(model, test_ds)
