@@ -28,7 +28,8 @@ from hvdtrain.errors import HvdtrainError
 __all__ = ["CheckpointManager", "model_fingerprint"]
 
 log = logging.getLogger("hvdtrain")
-_NAME = re.compile(r"^epoch-(\d{4,})$")
+# epoch-0003: after 3 epochs; epoch-0003-step-000050: 50 steps into the 4th epoch.
+_NAME = re.compile(r"^epoch-(\d{4,})(?:-step-(\d{6,}))?$")
 _FORMAT = 1
 
 
@@ -97,13 +98,15 @@ class CheckpointManager:
 
     # -- reading ------------------------------------------------------------------------
     def _epochs(self):
+        """[((epoch, step), path)], newest first."""
         if not os.path.isdir(self.directory):
             return []
         found = []
         for name in os.listdir(self.directory):
             m = _NAME.match(name)
             if m:
-                found.append((int(m.group(1)), os.path.join(self.directory, name)))
+                key = (int(m.group(1)), int(m.group(2) or 0))
+                found.append((key, os.path.join(self.directory, name)))
         return sorted(found, reverse=True)
 
     def _manifest(self, path):
@@ -124,7 +127,7 @@ class CheckpointManager:
 
         A damaged newer checkpoint is skipped with a warning.
         """
-        for epoch, path in self._epochs():
+        for (epoch, _), path in self._epochs():
             manifest = self._manifest(path)
             if manifest is not None:
                 return epoch, path, manifest
@@ -152,10 +155,12 @@ class CheckpointManager:
         return int(manifest["epoch"])
 
     # -- writing ------------------------------------------------------------------------
-    def save(self, epoch, extra=None):
-        """Writes the checkpoint of `epoch` (completed epochs) atomically; returns its path."""
-        final = os.path.join(self.directory, f"epoch-{epoch:04d}")
-        tmp = os.path.join(self.directory, f".epoch-{epoch:04d}.tmp-{os.getpid()}")
+    def save(self, epoch, extra=None, step=0):
+        """Writes a checkpoint atomically and returns its path: after `epoch` completed
+        epochs and `step` steps into the next one."""
+        name = f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
@@ -171,6 +176,7 @@ class CheckpointManager:
             manifest = {
                 "format": _FORMAT,
                 "epoch": int(epoch),
+                "step": int(step),
                 "time": time.time(),
                 "written_by": {"host": socket.gethostname(), "pid": os.getpid()},
                 "fingerprint": model_fingerprint(self.model),
@@ -186,10 +192,11 @@ class CheckpointManager:
                 os.replace(final, f"{final}.damaged-{int(time.time())}")
             os.replace(tmp, final)
             _fsync_dir(self.directory)
-        except OSError as e:
+        except (OSError, tf.errors.OpError) as e:  # a full disk, a lost mount, permissions
             shutil.rmtree(tmp, ignore_errors=True)
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0].split("; ")[-1]
             raise HvdtrainError(
-                f"Could not write checkpoint {final}: {e.strerror or e}. The previous "
+                f"Could not write checkpoint {final}: {reason}. The previous "
                 "checkpoints are kept; free space or choose another --checkpoint-dir."
             ) from None
         except BaseException:

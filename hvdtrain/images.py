@@ -108,7 +108,7 @@ def main(argv=None):
         def load():
             return trainer.Data(
                 train, test, "data-dir", f"{len(classes)} classes from {args.data_dir}; {where}",
-                train_map=_augment, eval_map=_decode, cache=False,
+                train_map=_augment, eval_map=_decode,
             )  # fmt: skip
 
         trainer.train(

@@ -22,7 +22,7 @@ import time
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 
-__all__ = ["make_parser", "parse", "train", "Data"]
+__all__ = ["make_parser", "parse", "train", "resume_step", "Data"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,6 +78,18 @@ def make_parser(prog, doc, *, epochs, batch_size, lr, warmup_epochs=1.0):
     f = p.add_argument_group("files")
     f.add_argument("--checkpoint-dir", help="save each epoch here (rank 0) and resume from it")
     f.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (2)")
+    f.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="also checkpoint every N steps mid-epoch; a resume continues at that step (0 = off)",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic ops and per-step random seeds: a killed and resumed run ends with "
+        "the same weights as an uninterrupted one (bitwise on CPU)",
+    )
     f.add_argument("--metrics-json", help="rank 0 writes the run's figures here")
     f.add_argument("--log-dir", help="TensorBoard logs (rank 0)")
     return p
@@ -99,6 +111,8 @@ def parse(parser, argv=None):
             raise invalid_value(f"--{name.replace('_', '-')}", value, "a positive integer")
     if not args.lr > 0:
         raise invalid_value("--lr", args.lr, "a positive learning rate")
+    if args.checkpoint_every < 0:
+        raise invalid_value("--checkpoint-every", args.checkpoint_every, "a number of steps >= 0")
     if not args.warmup_epochs >= 0:
         raise invalid_value("--warmup-epochs", args.warmup_epochs, "a number >= 0")
     if getattr(args, "data_dir", None) and not os.path.isdir(args.data_dir):
@@ -117,12 +131,11 @@ class Data:
         notice: one line saying so, printed by rank 0 (default: `source`).
         train_map, eval_map: per-sample `(x, y) -> (x, y)` functions applied after sharding
             (decoding, augmentation, normalisation); None for arrays ready to use.
-        cache: keep decoded samples in memory after the first epoch.
     """
 
-    def __init__(self, train, test, source, notice=None, train_map=None, eval_map=None, cache=True):
+    def __init__(self, train, test, source, notice=None, train_map=None, eval_map=None):
         self.train, self.test, self.source, self.notice = train, test, source, notice or source
-        self.train_map, self.eval_map, self.cache = train_map, eval_map, cache
+        self.train_map, self.eval_map = train_map, eval_map
 
 
 def _mixed_precision_policy(choice):
@@ -133,6 +146,22 @@ def _mixed_precision_policy(choice):
     if choice == "auto":
         choice = "float16" if tf.config.list_physical_devices("GPU") else "bfloat16"
     return f"mixed_{choice}"
+
+
+def resume_step(saved, steps, global_batch, accumulate=1):
+    """The global step to resume at from a checkpoint's manifest (`epoch`, `step`,
+    `global_batch`), for a run with `steps` per epoch and `global_batch` samples per step.
+
+    Pure. The rule: keep the completed epochs and the samples seen in the interrupted one;
+    with another global batch (another number of ranks), the step in the epoch is the
+    number of whole new batches those samples fill, rounded down to a whole accumulation
+    cycle. The optimizer's step (and so the LR schedule) is set to the result.
+    """
+    epoch, step = int(saved.get("epoch") or 0), int(saved.get("step") or 0)
+    old_batch = saved.get("global_batch") or global_batch
+    step = min(step * old_batch // global_batch, steps - 1) if step else 0
+    step -= step % accumulate
+    return epoch * steps + step
 
 
 def train(args, *, prog, build_model, load_data, optimizer="adam"):
@@ -170,6 +199,9 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
     steps = data.steps_per_epoch(len(x_train), args.batch_size * args.accumulate, size)
     steps *= args.accumulate  # whole accumulation cycles per epoch
     warmup_steps = round(args.warmup_epochs * steps)  # optimizer.iterations counts micro-steps
+    if args.deterministic:
+        tf.config.experimental.enable_op_determinism()
+        tf.keras.backend.experimental.enable_tf_random_generator()  # see DeterministicRandomness
     policy = _mixed_precision_policy(args.mixed_precision)
     if policy:
         tf.keras.mixed_precision.set_global_policy(policy)
@@ -198,7 +230,8 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
     model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
     opt.build(model.trainable_variables)
 
-    initial_epoch, manager, resumed = 0, None, None
+    global_batch = args.batch_size * size
+    start_step, manager, resumed = 0, None, None
     if args.checkpoint_dir:
         manager = hvdtrain.CheckpointManager(
             args.checkpoint_dir, model, opt, keep=args.keep_checkpoints
@@ -207,28 +240,52 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         def resume():
             manager.check_writable()
             found = manager.latest()
-            return manager.restore(found[1], found[2]) if found else 0
+            if not found:
+                return None
+            manager.restore(found[1], found[2])
+            return {k: found[2].get(k) for k in ("epoch", "step", "global_batch", "size")}
 
         # Horovod: rank 0 reads the checkpoint; the broadcast below hands it to every rank.
-        initial_epoch = runtime.agree(resume, root_only=True)
-        initial_epoch = hvd.broadcast_object(initial_epoch, root_rank=0, name="hvdtrain.epoch")
-        if initial_epoch:
-            resumed = {"epoch": initial_epoch, "optimizer_iterations": int(opt.iterations)}
-            log.info(
-                "resuming from epoch %d (%d optimizer steps) in %s",
-                initial_epoch,
-                resumed["optimizer_iterations"],
-                manager.directory,
-            )
+        saved = runtime.agree(resume, root_only=True)
+        saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
+        if saved:
+            start_step = resume_step(saved, steps, global_batch, args.accumulate)
+            resumed = {"epoch": saved["epoch"], "step": saved["step"] or 0}
+            if saved.get("global_batch") not in (None, global_batch):
+                log.warning(
+                    "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d:"
+                    " resuming at epoch %d step %d (the same samples seen; the LR schedule "
+                    "follows the step). The global batch changed: the results will differ.",
+                    saved.get("size"),
+                    saved["global_batch"] // (saved.get("size") or 1),
+                    size,
+                    args.batch_size,
+                    start_step // steps + 1,
+                    start_step % steps,
+                )
     # Horovod: start every rank from rank 0's weights and optimizer state.
     hvdtrain.broadcast_initial_state(model, opt)
+    if resumed:
+        opt.iterations.assign(start_step)  # the LR schedule follows this step
+        resumed["optimizer_iterations"] = start_step
+        log.info(
+            "resuming at epoch %d, step %d of %d (global step %d) from %s",
+            start_step // steps + 1,
+            start_step % steps,
+            steps,
+            start_step,
+            manager.directory,
+        )
+    initial_epoch = start_step // steps
 
-    train_ds = data.train_dataset(
-        x_train, y_train, args.batch_size, rank, size, seed=args.seed, map_fn=d.train_map,
-        cache=d.cache,
-    )  # fmt: skip
+    def train_ds(step):
+        return data.train_dataset(
+            x_train, y_train, args.batch_size, rank, size, seed=args.seed,
+            map_fn=d.train_map, start_step=step, steps=steps,
+        )  # fmt: skip
+
     test_ds = data.eval_dataset(x_test, y_test, 256, rank, size, map_fn=d.eval_map)
-    throughput = hvdtrain.ThroughputCallback(args.batch_size * size, steps)
+    throughput = hvdtrain.ThroughputCallback(global_batch)
     callbacks = [
         # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
         callbacks_mod.ModelStateAverageCallback(),
@@ -238,9 +295,13 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         ),
         throughput,
     ]
+    if args.deterministic:
+        callbacks.insert(0, callbacks_mod.DeterministicRandomness(args.seed, rank, start_step))
     if manager:
-        extra = {"size": size, "batch_size": args.batch_size, "prog": prog}
-        callbacks.append(hvdtrain.CheckpointCallback(manager, extra))
+        extra = {"size": size, "global_batch": global_batch, "steps_per_epoch": steps, "prog": prog}
+        callbacks.append(
+            hvdtrain.CheckpointCallback(manager, extra, steps, args.checkpoint_every, start_step)
+        )
     callbacks += callbacks_mod.rank0_callbacks(args.log_dir)
 
     log.info(
@@ -257,17 +318,25 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         f", {policy}" if policy else "",
     )
     history = {}
-    if initial_epoch < args.epochs:
-        fit = model.fit(
-            train_ds,
-            epochs=args.epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps,
+
+    def fit(first_step, epochs, steps_this_epoch):
+        run = model.fit(
+            train_ds(first_step),
+            epochs=epochs,
+            initial_epoch=first_step // steps,
+            steps_per_epoch=steps_this_epoch,
             callbacks=callbacks,
             verbose=2 if rank == 0 else 0,  # Horovod: one line per epoch, on rank 0 only
         )
-        history = {k: [float(v) for v in vs] for k, vs in fit.history.items()}
-    else:
+        for k, vs in run.history.items():
+            history.setdefault(k, []).extend(float(v) for v in vs)
+
+    if start_step % steps and initial_epoch < args.epochs:  # finish the interrupted epoch
+        fit(start_step, initial_epoch + 1, steps - start_step % steps)
+        start_step = (initial_epoch + 1) * steps
+    if start_step // steps < args.epochs:
+        fit(start_step, args.epochs, steps)
+    elif not history:
         log.info("already trained %d of %d epochs; evaluating only", initial_epoch, args.epochs)
 
     result = hvdtrain.evaluate(model, test_ds)
@@ -282,7 +351,8 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         "resumed_from": resumed,
         "steps_per_epoch": steps,
         "batch_size": args.batch_size,
-        "global_batch_size": args.batch_size * size,
+        "global_batch_size": global_batch,
+        "deterministic": bool(args.deterministic),
         "accumulate": args.accumulate,
         "mixed_precision": policy,
         "fp16_allreduce": bool(args.fp16_allreduce),

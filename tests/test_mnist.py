@@ -127,7 +127,11 @@ def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path
     m = json.loads(metrics.read_text())
     steps = m["steps_per_epoch"]
     assert m["initial_epoch"] == latest
-    assert m["resumed_from"] == {"epoch": latest, "optimizer_iterations": latest * steps}
+    assert m["resumed_from"] == {
+        "epoch": latest,
+        "step": 0,
+        "optimizer_iterations": latest * steps,
+    }
     assert m["optimizer_iterations"] == 3 * steps
     assert len(m["history"]["loss"]) == 3 - latest
     assert len({r["weights_sha256"] for r in m["ranks"]}) == 1

@@ -1,0 +1,166 @@
+"""Exact resume: SIGKILL at any moment, rerun the same command, end with the same weights."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import job_env, launch_argv, run_job
+from test_mnist import _kill_everything_mentioning
+
+from hvdtrain.trainer import resume_step
+
+BASE = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "2", "--limit-samples", "1024",
+        "--checkpoint-every", "4"]  # fmt: skip
+
+
+def _run_until(argv, pattern, marker):
+    """Starts argv, SIGKILLs it (and all its ranks) once a line matches `pattern`."""
+    proc = subprocess.Popen(
+        argv,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if re.search(pattern, line):
+                return
+        pytest.fail("the job ended before the kill point:\n" + "".join(seen[-30:]))
+    finally:
+        _kill_everything_mentioning(marker, proc)
+
+
+def _job(np, tmp_path, name, extra=()):
+    ckpt, metrics = tmp_path / name, tmp_path / f"{name}.json"
+    args = [*BASE, "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics), *extra]
+    return args, ckpt, metrics
+
+
+@pytest.mark.parametrize(
+    "kill_at",
+    [r"\(epoch 1, step 8\)", r"\(epoch 2\)|\(epoch 2, step 4\)"],
+    ids=["mid-epoch-1", "epoch-2"],
+)
+def test_killed_and_resumed_run_matches_an_uninterrupted_one_bitwise(kill_at, tmp_path):
+    args, _, ref_metrics = _job(2, tmp_path, "reference")
+    run_job(2, "gloo", args)
+    reference = json.loads(ref_metrics.read_text())
+
+    args, ckpt, metrics = _job(2, tmp_path, "killed")
+    _run_until(launch_argv(2, "gloo") + [sys.executable, *args], kill_at, str(ckpt))
+    assert not metrics.exists()
+    run_job(2, "gloo", args)
+    resumed = json.loads(metrics.read_text())
+    assert resumed["resumed_from"] is not None
+    assert resumed["optimizer_iterations"] == reference["optimizer_iterations"] == 2 * 16
+    assert resumed["ranks"][0]["weights_sha256"] == reference["ranks"][0]["weights_sha256"]
+    assert resumed["test_loss"] == reference["test_loss"]
+
+
+def test_resume_on_another_number_of_ranks_rescales_the_step(tmp_path):
+    args, ckpt, metrics = _job(2, tmp_path, "elastic")
+    _run_until(launch_argv(2, "gloo") + [sys.executable, *args], r"\(epoch 1, step 8\)", str(ckpt))
+    proc = run_job(1, "none", args)
+    m = json.loads(metrics.read_text())
+    # 8 steps x 64 samples on 2 ranks = 16 steps x 32 samples on 1 rank, of 32 per epoch.
+    assert m["resumed_from"] == {"epoch": 0, "step": 8, "optimizer_iterations": 16}
+    assert m["steps_per_epoch"] == 32 and m["optimizer_iterations"] == 64
+    assert "The global batch changed" in proc.stderr
+
+
+def test_resume_step_rule():
+    saved = {"epoch": 3, "step": 8, "global_batch": 64}
+    assert resume_step(saved, 16, 64) == 3 * 16 + 8
+    assert resume_step(saved, 32, 32) == 3 * 32 + 16  # half the ranks: twice the steps
+    assert resume_step(saved, 8, 128) == 3 * 8 + 4
+    assert resume_step({"epoch": 3, "step": 0}, 10, 64) == 30
+    assert resume_step(dict(saved, step=15), 16, 64, accumulate=4) == 3 * 16 + 12
+    assert resume_step(dict(saved, step=15), 4, 512) == 3 * 4 + 1
+
+
+SAVER = """
+import sys, tensorflow as tf
+from hvdtrain.checkpoint import CheckpointManager
+model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(2048),
+                             tf.keras.layers.Dense(10)])
+opt = tf.keras.optimizers.Adam()
+opt.build(model.trainable_variables)
+manager = CheckpointManager(sys.argv[1], model, opt, keep=2)
+for epoch in range(1, 10_000):
+    manager.save(epoch)
+    print("saved", epoch, flush=True)
+"""
+
+
+def test_sigkill_during_checkpoint_writes_never_breaks_the_latest(tmp_path):
+    import tensorflow as tf
+
+    from hvdtrain.checkpoint import CheckpointManager
+
+    for attempt in range(3):  # each kill lands at a different point of a write
+        d = tmp_path / f"ckpt{attempt}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(d)],
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for line in proc.stdout:
+            if line.strip() == f"saved {3 + attempt}":
+                proc.kill()  # the next save is already under way
+                break
+        proc.wait(timeout=60)
+        model = tf.keras.Sequential(
+            [tf.keras.Input((64,)), tf.keras.layers.Dense(2048), tf.keras.layers.Dense(10)]
+        )
+        opt = tf.keras.optimizers.Adam()
+        opt.build(model.trainable_variables)
+        manager = CheckpointManager(d, model, opt)
+        epoch, path, manifest = manager.latest()
+        assert epoch >= 3 + attempt
+        assert manager.restore(path, manifest) == epoch
+
+
+def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+    import os
+
+    import tensorflow as tf
+
+    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.errors import HvdtrainError
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        small = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(10)])
+        opt = tf.keras.optimizers.Adam()
+        opt.build(small.trainable_variables)
+        CheckpointManager(disk, small, opt).save(1)
+        big = tf.keras.Sequential(
+            [tf.keras.Input((64,)), tf.keras.layers.Dense(20_000), tf.keras.layers.Dense(10)]
+        )  # ~25 MB with Adam's slots
+        big_opt = tf.keras.optimizers.Adam()
+        big_opt.build(big.trainable_variables)
+        with pytest.raises(HvdtrainError, match="previous checkpoints are kept"):
+            CheckpointManager(disk, big, big_opt).save(2)
+        assert sorted(os.listdir(disk)) == ["epoch-0001"]
+        epoch, path, manifest = CheckpointManager(disk, small, opt).latest()
+        assert epoch == 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
