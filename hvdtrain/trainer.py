@@ -92,6 +92,19 @@ def make_parser(prog, doc, *, epochs, batch_size, lr, warmup_epochs=1.0):
     )
     f.add_argument("--metrics-json", help="rank 0 writes the run's figures here")
     f.add_argument("--log-dir", help="TensorBoard logs (rank 0)")
+    e = p.add_argument_group("elastic (launch with hvdtrain-run --elastic; see hvdtrain.elastic)")
+    e.add_argument(
+        "--elastic",
+        action="store_true",
+        help="train under Horovod Elastic: survive failed workers, take in new ones",
+    )
+    e.add_argument(
+        "--commit-every",
+        type=int,
+        default=10,
+        help="steps between in-memory commits of the state; a failure redoes at most this "
+        "many (10)",
+    )
     return p
 
 
@@ -105,12 +118,15 @@ def parse(parser, argv=None):
         "limit_samples",
         "threads",
         "accumulate",
+        "commit_every",
     ):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise invalid_value(f"--{name.replace('_', '-')}", value, "a positive integer")
     if not args.lr > 0:
         raise invalid_value("--lr", args.lr, "a positive learning rate")
+    if getattr(args, "elastic", False) and args.accumulate > 1:
+        raise invalid_value("--accumulate", args.accumulate, "1 with --elastic")
     if args.checkpoint_every < 0:
         raise invalid_value("--checkpoint-every", args.checkpoint_every, "a number of steps >= 0")
     if not args.warmup_epochs >= 0:
@@ -176,6 +192,12 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         optimizer: "adam" or "sgd" (momentum 0.9).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if getattr(args, "elastic", False):  # the same recipe under Horovod Elastic
+        from hvdtrain import elastic
+
+        return elastic.train(
+            args, prog=prog, build_model=build_model, load_data=load_data, optimizer=optimizer
+        )
     import horovod.tensorflow as hvd
     import tensorflow as tf
 

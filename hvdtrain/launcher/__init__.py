@@ -3,11 +3,13 @@
     hvdtrain-run -np 2 -- python -m hvdtrain.mnist             # this host, horovodrun --gloo
     hvdtrain-run --hostfile hosts.txt --backend mpirun -- python -m hvdtrain.mnist
     hvdtrain-run doctor --hostfile hosts.txt                   # check the hosts first
+    hvdtrain-run --elastic --hostfile hosts.txt -- python -m hvdtrain.mnist --elastic
     hvdtrain-run k8s --workers 2 --gpus-per-worker 4 > mpijob.yaml
 
 Modules: `hosts` (-H and hostfiles), `slurm` (allocations), `commands` (pure builders:
-config -> argv and environment), `doctor` (host checks), `kubernetes` (MPIJob YAML),
-`cli` (the `hvdtrain-run` console script). None of them imports TensorFlow or Horovod.
+config -> argv and environment), `elastic` (`--elastic`: horovodrun's elastic flags and the
+discovery script), `doctor` (host checks), `kubernetes` (MPIJob YAML), `cli` (the
+`hvdtrain-run` console script). None of them imports TensorFlow or Horovod.
 """
 
 from hvdtrain.launcher.commands import LaunchConfig, build_command, format_command

@@ -5,6 +5,8 @@ Usage::
     hvdtrain-run [-np N] [-H HOST:SLOTS,... | --hostfile FILE] [--backend B] [...] [--] COMMAND
     hvdtrain-run doctor [-H ... | --hostfile FILE] [--python PYTHON] [--timeout S]
     hvdtrain-run k8s --workers W --gpus-per-worker G [--image IMAGE] [--name NAME] [-- COMMAND]
+    hvdtrain-run --elastic [--min-np A] [--max-np B] [--host-discovery-script S | -H ... |
+                 --hostfile FILE] [...] -- COMMAND --elastic
 
 One host, two hosts, a hostfile, plain mpirun, a SLURM job, a look before launching::
 
@@ -14,6 +16,10 @@ One host, two hosts, a hostfile, plain mpirun, a SLURM job, a look before launch
     sbatch launch/hvdtrain.sbatch          # inside: hvdtrain-run -- python -m hvdtrain.mnist
     hvdtrain-run --dry-run -H node1:4,node2:4 -- python -m hvdtrain.mnist
     hvdtrain-run doctor --hostfile hosts.txt
+    hvdtrain-run --elastic --min-np 2 --hostfile hosts.txt -- python -m hvdtrain.mnist --elastic
+
+Elastic jobs (`--elastic`, Gloo) go on when workers fail and grow when hosts join; see
+`hvdtrain.launcher.elastic` for the discovery script and its defaults.
 
 Hosts: `-H` or `--hostfile` (Open MPI `host slots=N`, MPICH `host:N` or a bare `host`;
 see launch/hosts.example); else the SLURM allocation (SLURM_JOB_ID and its node list);
@@ -41,7 +47,7 @@ import subprocess
 import sys
 
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
-from hvdtrain.launcher import doctor, kubernetes
+from hvdtrain.launcher import doctor, elastic, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
     TUNABLES,
@@ -125,6 +131,7 @@ def _build_parser():
     doc.add_argument("--doctor", action="store_true", help="check the hosts instead of launching")
     doc.add_argument("--python", metavar="PATH", help="the Python on the hosts (default: this one)")
     doc.add_argument("--timeout", default="120", metavar="S", help="seconds per host (default 120)")
+    elastic.add_options(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
     return p
 
@@ -183,7 +190,7 @@ def parse_args(argv=None):
         args.mpi_args = tuple(shlex.split(args.mpi_args or ""))
     except ValueError as e:
         raise invalid_value("--mpi-args", args.mpi_args, f"shell words ({e})") from None
-    return args
+    return elastic.check_args(args)
 
 
 def resolve_hosts(args, environ):
@@ -288,14 +295,23 @@ def run_command(argv, env):
 
 def _launch(args):
     environ = dict(os.environ)
-    config = make_config(args, environ)
+    spec = None
+    if args.elastic:  # horovodrun --gloo with a discovery script: hvdtrain.launcher.elastic
+        config, spec = elastic.make_config(args, environ, make_config, resolve_hosts)
+    else:
+        config = make_config(args, environ)
     bindir = os.path.dirname(sys.executable)
     name = program_for(config.backend)
     program = find_program(name, bindir, environ.get("PATH", ""))
     if program is None and not args.dry_run:
         raise HvdtrainError(f"{name} not found in {bindir} or on PATH; {_INSTALL_HINT[name]}")
-    argv, env = build_command(config, environ, os.geteuid(), bindir, program or name)
+    if spec:
+        argv, env = elastic.build_command(config, spec, environ, bindir, program or name)
+    else:
+        argv, env = build_command(config, environ, os.geteuid(), bindir, program or name)
     line = format_command(argv, env, environ)
+    for warning in spec.warnings if spec and not args.quiet else ():
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(line, flush=True)
         return 0

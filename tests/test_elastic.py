@@ -1,0 +1,377 @@
+"""Elastic training (`--elastic`): the `hvdtrain-run --elastic` command builder, Horovod's
+elastic pitfalls in one process, and real jobs on this host under horovodrun --gloo: a
+worker killed mid-training, a worker that joins later.
+
+Horovod blacklists the host of a worker that fails, and a job whose workers were all on that
+host ends; the kill test therefore runs its two workers as two hosts of this machine,
+`localhost` and `127.0.0.1` (both run without ssh).
+"""
+
+import argparse
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import ROOT, job_env, worker
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.launcher import cli
+from hvdtrain.launcher import elastic as launcher
+from hvdtrain.launcher.commands import LaunchConfig
+from hvdtrain.launcher.hosts import Host
+
+RUN = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
+CMD = ("python", "-m", "hvdtrain.mnist", "--elastic")
+JOB_TIMEOUT = 420  # a whole elastic job, kills and joins included; a hang fails the test
+# Small jobs: 1280 samples of batch 32 are 20 steps per epoch on 2 ranks, 40 on 1.
+TRAIN = ["--epochs", "3", "--limit-samples", "1280", "--threads", "1", "--commit-every", "5"]
+ELASTIC_ENV = {"HOROVOD_ELASTIC_TIMEOUT": "60", "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
+
+
+# -- the command builder (no processes) ---------------------------------------------------
+def _config(argv, environ=None):
+    args = cli.parse_args(argv)
+    environ = {"PATH": "/usr/bin"} if environ is None else environ
+    return launcher.make_config(args, environ, cli.make_config, cli.resolve_hosts, "/venv/py")
+
+
+def _argv(argv, environ=None):
+    config, spec = _config(argv, environ)
+    out, env = launcher.build_command(config, spec, {"PATH": "/usr/bin"}, program="horovodrun")
+    return out, spec
+
+
+def test_discovery_script_is_passed_as_given():
+    argv, spec = _argv(
+        ["--elastic", "--min-np", "2", "--max-np", "8", "--host-discovery-script", "./d.sh",
+         "--network-interface", "eth0", "--", *CMD]
+    )  # fmt: skip
+    assert argv == [
+        "horovodrun", "--gloo", "-np", "2", "--min-np", "2", "--max-np", "8",
+        "--host-discovery-script", "./d.sh", "--network-interfaces", "eth0", *CMD,
+    ]  # fmt: skip
+    assert spec.warnings == ()
+
+
+def test_hostfile_becomes_a_live_discovery_command(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("# two dialects\nnode1 slots=4\nnode2:2\n")
+    argv, _ = _argv(
+        ["--elastic", "--hostfile", str(hostfile), "--elastic-timeout", "60", "--reset-limit",
+         "3", "--blacklist-cooldown-range", "10", "120", "--", *CMD]
+    )  # fmt: skip
+    discover = f"/venv/py -m hvdtrain.launcher.elastic --hostfile {hostfile}"
+    assert argv == [
+        "horovodrun", "--gloo", "-np", "1", "--min-np", "1", "--max-np", "6",
+        "--host-discovery-script", discover, "--elastic-timeout", "60", "--reset-limit", "3",
+        "--blacklist-cooldown-range", "10", "120", *CMD,
+    ]  # fmt: skip
+    # What Horovod reads each second: the file as it is then.
+    out = subprocess.run(
+        [sys.executable, "-m", "hvdtrain.launcher.elastic", "--hostfile", str(hostfile)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert out.stdout == "node1:4\nnode2:2\n" and out.returncode == 0
+    hostfile.write_text("node1 slots=4\nnode3\n")
+    out = subprocess.run(
+        ["sh", "-c", discover.replace("/venv/py", sys.executable)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert out.stdout == "node1:4\nnode3:1\n"
+
+
+def test_hosts_and_this_host_become_printf_and_one_host_gets_lo_and_a_warning():
+    argv, spec = _argv(["--elastic", "-np", "2", "-H", "a:2,b:2", "--", *CMD])
+    assert argv == [
+        "horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--max-np", "4",
+        "--host-discovery-script", r"printf '%s\n' a:2 b:2", *CMD,
+    ]  # fmt: skip
+    argv, spec = _argv(["--elastic", "--max-np", "2", "--", *CMD])
+    assert argv == [
+        "horovodrun", "--gloo", "-np", "1", "--min-np", "1", "--max-np", "2",
+        "--host-discovery-script", r"printf '%s\n' localhost:2", "--network-interfaces", "lo",
+        *CMD,
+    ]  # fmt: skip
+    assert "blacklists its whole host" in spec.warnings[0]
+    out = subprocess.run(["sh", "-c", argv[9]], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "localhost:2\n"
+
+
+def test_dry_run_prints_the_elastic_line():
+    out = subprocess.run(
+        [RUN, "--dry-run", "--elastic", "-H", "localhost:1,127.0.0.1:1", "--", *CMD],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--gloo -np 1 --min-np 1 --max-np 2 --host-discovery-script" in out.stdout
+    assert "--network-interfaces lo python -m hvdtrain.mnist --elastic" in out.stdout
+    assert "warning" not in out.stderr  # two host names: a failure blacklists one of them
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--min-np", "2"], "--min-np needs --elastic"),
+        (["--elastic", "--backend", "mpi"], "gloo with --elastic"),
+        (["--elastic", "-np", "5", "-H", "a:2,b:2"], "from --min-np 1 to --max-np 4"),
+        (["--elastic", "--min-np", "3", "--max-np", "2", "-H", "a:2,b:2"], "at most --max-np"),
+        (["--elastic", "--max-np", "9", "-H", "a:2,b:2"], "at most 4, the total slots"),
+        (["--elastic", "-H", "a:2", "--host-discovery-script", "d.sh"], "both name the hosts"),
+        (["--elastic", "-H", "node1:4"], "needs --network-interface"),
+        (["--elastic", "--min-np", "0"], "integer >= 1"),
+        (["--elastic", "--blacklist-cooldown-range", "9", "3"], "MIN <= MAX"),
+    ],
+)
+def test_bad_elastic_options(argv, match):
+    with pytest.raises(HvdtrainError, match=match):
+        _config([*argv, "--", *CMD])
+
+
+def test_builder_keeps_every_other_horovodrun_option():
+    config = LaunchConfig(
+        backend="gloo", np=2, hosts=(Host("a", 2),), command=CMD,
+        tunables={"cycle_time_ms": 2.5}, ssh_port=2222,
+    )  # fmt: skip
+    spec = launcher.ElasticSpec(min_np=1, max_np=None, discovery="d.sh")
+    argv, _ = launcher.build_command(config, spec, {}, program="horovodrun")
+    assert argv == [
+        "horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh",
+        "--cycle-time-ms", "2.5", "-p", "2222", *CMD,
+    ]  # fmt: skip
+
+
+def test_entry_point_flags():
+    from hvdtrain import mnist
+
+    args = mnist.parse_args(["--elastic", "--commit-every", "3"])
+    assert args.elastic and args.commit_every == 3
+    assert not mnist.parse_args([]).elastic
+    with pytest.raises(HvdtrainError, match="`--accumulate`.*1 with --elastic"):
+        mnist.parse_args(["--elastic", "--accumulate", "2"])
+    with pytest.raises(HvdtrainError, match="`--commit-every`"):
+        mnist.parse_args(["--elastic", "--commit-every", "0"])
+
+
+# -- Horovod's pitfalls, one process ------------------------------------------------------
+def test_horovod_elastic_pitfalls_and_their_fixes(tmp_path):
+    out = tmp_path / "checks.json"
+    proc = subprocess.run(
+        [sys.executable, worker("elastic_checks.py"), str(out)],
+        # Gloo alone: a reset shuts Horovod down and starts it again, which MPI cannot.
+        env=job_env(HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo"),
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    close = pytest.approx
+    # From 2 ranks to 1: the rate must halve (0.02 -> 0.01).
+    assert r["lr_steps_schedule_given"] == [close(0.02), close(0.02)]  # a copy was changed
+    assert r["lr_steps_repointed"] == [close(0.02), close(0.02)]  # the traced step kept it
+    assert r["lr_steps_hvdtrain"] == [close(0.02), close(0.01)]
+    # fit(initial_epoch=1) runs epoch 2: 2 epochs done (horovod#2844: Horovod says 3).
+    assert r["horovod_state"]["epoch"] == 3 and r["hvdtrain_state"]["epoch"] == 2
+    # 3 steps after a restart 2 steps into the epoch: 5 done (Horovod: index 2).
+    assert r["horovod_state"]["batch"] == 2 and r["hvdtrain_state"]["batch"] == 5
+    # A non-Horovod UnknownError: Horovod's run() returns None, hvdtrain's raises it.
+    assert r["horovod_run_returns"] == "None"
+    assert r["hvdtrain_run_raises"] == "UnknownError: a bug in a loader"
+    # A broadcast failing while rank 0's state is synchronised: fatal, then rolled back.
+    assert r["horovod_sync_failure"] == "UnknownError" and r["hvdtrain_sync_failure"] == "trained"
+
+
+# -- real elastic jobs --------------------------------------------------------------------
+class Job:
+    """`hvdtrain-run ...` in its own session; its output read line by line in a thread."""
+
+    def __init__(self, argv, marker):
+        self.marker = marker
+        self.proc = subprocess.Popen(
+            [RUN, *argv],
+            env=job_env(**ELASTIC_ENV),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.start = time.monotonic()
+        self.lines, self._queue = [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern, timeout=JOB_TIMEOUT):
+        """The first new line matching `pattern`: waits for the event, not for a time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+        self.kill()
+        pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
+
+    def finish(self, timeout=JOB_TIMEOUT):
+        """Waits for the end of the job and its output; returns the exit code."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("the elastic job did not end:\n" + "".join(self.lines[-60:]))
+        while (line := self._queue.get(timeout=60)) is not None:
+            self.lines.append(line)
+        self.seconds = time.monotonic() - self.start
+        return code
+
+    def output(self):
+        return "".join(self.lines)
+
+    def workers(self):
+        """The training processes of this job (python -m hvdtrain.mnist, with our marker)."""
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[1:3] == ["-m", "hvdtrain.mnist"] and any(self.marker in a for a in cmd):
+                found.append(p)
+        return found
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in self.workers():
+            p.kill()
+
+
+def _env_rank(process):
+    return int(process.environ().get("HOROVOD_RANK", "-1"))
+
+
+@pytest.fixture
+def jobs():
+    started = []
+    yield started
+    for job in started:  # nothing outlives a test, even a failed one
+        job.kill()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, jobs):
+    metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
+    job = Job(
+        ["--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--", sys.executable,
+         "-m", "hvdtrain.mnist", "--elastic", *TRAIN, "--checkpoint-every", "7",
+         "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)],
+        marker=str(metrics),
+    )  # fmt: skip
+    jobs.append(job)
+    job.wait_for(r"elastic: training on 2 rank\(s\)")
+    # Between two commits (every 5 steps): global step 28 of 20 per epoch.
+    job.wait_for(r"saved checkpoint .*\(epoch 2, step 8\)")
+    workers = {_env_rank(p): p for p in job.workers()}
+    assert sorted(workers) == [0, 1], job.output()
+    survivor = workers[1 - victim].pid
+    workers[victim].send_signal(signal.SIGKILL)
+    code = job.finish()
+    out = job.output()
+    assert code == 0, out[-6000:]
+    print(f"kill of rank {victim}: {job.seconds:.0f} s")
+
+    m = json.loads(metrics.read_text())
+    e = m["elastic"]
+    # Training went on alone: one rank, steps, LR and global batch for one rank.
+    assert m["size"] == 1 and [r["pid"] for r in m["ranks"]] == [survivor]
+    assert m["steps_per_epoch"] == 40 and m["global_batch_size"] == 32
+    assert m["lr_scaled"] == pytest.approx(1e-3) and m["lr_final"] == pytest.approx(1e-3)
+    assert m["warmup_steps"] == 40 and m["optimizer_iterations"] == 3 * 40
+    assert len(m["history"]["loss"]) == 3 and m["test_accuracy"] > 0.5
+    # One reset, back to the last commit and no further.
+    (reset,) = e["resets"]
+    assert reset["reason"] == "a worker failed"
+    assert (reset["size_before"], reset["size_after"]) == (2, 1)
+    assert reset["restored"] == {k: reset["last_commit"][k] for k in ("epoch", "batch", "step")}
+    assert reset["last_commit"]["step"] >= 20 + 5  # the commit before epoch 2, step 8
+    redone = reset["interrupted_at"]["step"] - reset["restored"]["step"]
+    assert redone == reset["redone_steps"] and 0 <= redone <= 5  # --commit-every 5
+    print(f"steps done again after the kill: {redone}; {reset}")
+    # Each start follows the size: steps, global batch, LR; the samples seen are kept.
+    before, after = e["starts"][-2:]
+    assert (before["size"], before["steps_per_epoch"], before["lr_scaled"]) == (2, 20, 2e-3)
+    assert (after["size"], after["steps_per_epoch"], after["lr_scaled"]) == (1, 40, 1e-3)
+    assert after["rank"] == 0 and after["epoch"] == reset["restored"]["epoch"]
+    assert after["batch"] == min(reset["restored"]["batch"] * 2, 39)
+    assert after["step"] == after["epoch"] * 40 + after["batch"]
+    assert "elastic: a worker failed; 2 -> 1 rank(s)" in out
+    # Rank 0's checkpoints went on, written by whoever was rank 0: the survivor at the end.
+    final = json.loads((ckpt / "epoch-0003" / "manifest.json").read_text())
+    assert final["written_by"]["pid"] == survivor and final["size"] == 1
+    assert os.path.exists(ckpt / "model.keras")
+
+
+def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
+    metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    job = Job(
+        ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
+         "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist",
+         "--elastic", *TRAIN, "--epochs", "4", "--limit-samples", "2560",
+         "--metrics-json", str(metrics)],
+        marker=str(metrics),
+    )  # fmt: skip
+    jobs.append(job)
+    job.wait_for(r"elastic: training on 1 rank\(s\)")
+    joined_at = time.monotonic()
+    tmp = hosts.with_suffix(".new")
+    tmp.write_text("localhost:2\n")
+    os.replace(tmp, hosts)  # the discovery script sees one file or the other, never half
+    job.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)")
+    join_seconds = time.monotonic() - joined_at
+    code = job.finish()
+    out = job.output()
+    assert code == 0, out[-6000:]
+    print(f"join: {job.seconds:.0f} s in all, {join_seconds:.0f} s from the new host to 2 ranks")
+
+    m = json.loads(metrics.read_text())
+    e = m["elastic"]
+    assert m["size"] == 2 and sorted(r["rank"] for r in m["ranks"]) == [0, 1]
+    assert len({r["pid"] for r in m["ranks"]}) == 2
+    # The new worker got rank 0's weights and optimizer state, and trained in step with it.
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["optimizer_sha256"] for r in m["ranks"]}) == 1
+    (reset,) = e["resets"]
+    assert reset["reason"] == "hosts changed" and reset["redone_steps"] == 0
+    assert (reset["size_before"], reset["size_after"]) == (1, 2)
+    assert reset["restored"] == {k: reset["last_commit"][k] for k in ("epoch", "batch", "step")}
+    before, after = e["starts"]
+    assert (before["size"], before["steps_per_epoch"], before["lr_scaled"]) == (1, 80, 1e-3)
+    assert (after["size"], after["steps_per_epoch"], after["lr_scaled"]) == (2, 40, 2e-3)
+    assert after["batch"] == reset["restored"]["batch"] // 2  # the same samples seen
+    assert m["steps_per_epoch"] == 40 and m["lr_scaled"] == pytest.approx(2e-3)
+    assert m["optimizer_iterations"] == 4 * 40 and len(m["history"]["loss"]) == 4
+
+
+def test_launch_args_namespace_is_not_mutated():
+    args = cli.parse_args(["--elastic", "-H", "localhost:2", "--", *CMD])
+    before = dict(vars(args))
+    launcher.make_config(args, {}, cli.make_config, cli.resolve_hosts)
+    assert vars(args) == before and isinstance(args, argparse.Namespace)
