@@ -60,7 +60,7 @@ RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir "pip<25" \
     && pip install --no-cache-dir -c /opt/hvdtrain/constraints.txt \
         "tensorflow==${TENSORFLOW_VERSION}" "numpy<2" \
-        "cmake>=3.13,<5" "wheel<1" "setuptools>=65,<81" "packaging>=20"
+        "cmake>=3.13,<4" "wheel<1" "setuptools>=65,<81" "packaging>=20"
 
 # Horovod with TensorFlow, Gloo, MPI and NCCL, built by the host's script, which fails the build
 # unless `horovodrun --check-build` shows all four (HOROVOD_VERSION comes from the ARG above).

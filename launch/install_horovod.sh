@@ -12,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bindir=$(dirname "$PYTHON")
+bindir=$(cd "$(dirname "$PYTHON")" && pwd)
 
 check_build() {
   # horovodrun --check-build prints "[X] TensorFlow", "[X] Gloo", "[X] MPI" for what was built in.
@@ -35,6 +35,8 @@ echo "install_horovod: building Horovod $HOROVOD_VERSION from source (about 3 mi
 export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
 export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
 export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}
+# Should a CMake 4 be picked up anyway: let it configure Horovod's bundled Gloo.
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
 # cmake from pip lands in the environment's bin; the build needs it on PATH.
 export PATH="$bindir:$PATH"
 constraints=()
