@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 
 import tensorflow as tf
@@ -29,8 +30,9 @@ __all__ = ["CheckpointManager", "model_fingerprint"]
 
 log = logging.getLogger("hvdtrain")
 # epoch-0003: after 3 epochs; epoch-0003-step-000050: 50 steps into the 4th epoch.
-_NAME = re.compile(r"^epoch-(\d{4,})(?:-step-(\d{6,}))?$")
+_NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
 _FORMAT = 1
+_MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
 
 
 def model_fingerprint(model):
@@ -109,17 +111,31 @@ class CheckpointManager:
                 found.append((key, os.path.join(self.directory, name)))
         return sorted(found, reverse=True)
 
-    def _manifest(self, path):
-        """The manifest of a complete, undamaged checkpoint, or None."""
+    def _manifest(self, path, epoch):
+        """The manifest of a complete, undamaged checkpoint of `epoch`, or None.
+
+        Hostile contents are refused, not followed: only regular files (a FIFO would block
+        forever, /dev/zero never ends), only names inside the checkpoint, a small manifest.
+        """
         try:
-            with open(os.path.join(path, "manifest.json")) as f:
+            file = os.path.join(path, "manifest.json")
+            if not _regular(file) or os.path.getsize(file) > _MAX_MANIFEST:
+                return None
+            with open(file, encoding="utf-8") as f:
                 manifest = json.load(f)
-            for name, (size, digest) in manifest["files"].items():
+            files = manifest["files"]
+            if type(manifest.get("epoch")) is not int or manifest["epoch"] != epoch:
+                return None
+            if not isinstance(files, dict) or not files:
+                return None
+            for name, (size, digest) in files.items():
                 file = os.path.join(path, name)
+                if name in (".", "..") or os.path.basename(name) != name or not _regular(file):
+                    return None
                 if os.path.getsize(file) != size or _sha256(file) != digest:
                     return None
             return manifest
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
 
     def latest(self):
@@ -128,7 +144,7 @@ class CheckpointManager:
         A damaged newer checkpoint is skipped with a warning.
         """
         for (epoch, _), path in self._epochs():
-            manifest = self._manifest(path)
+            manifest = self._manifest(path, epoch)
             if manifest is not None:
                 return epoch, path, manifest
             log.warning("skipping damaged checkpoint %s", path)
@@ -147,10 +163,12 @@ class CheckpointManager:
         state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
         try:
             state.read(os.path.join(path, "state")).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as e:
+        # A damaged state file makes TensorFlow's reader raise IndexError, KeyError, ...
+        except (AssertionError, LookupError, ValueError, TypeError, tf.errors.OpError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise HvdtrainError(
                 f"Invalid checkpoint in `--checkpoint-dir`: {path} does not match this model "
-                f"and optimizer ({str(e).splitlines()[0]}). Use a new --checkpoint-dir."
+                f"and optimizer ({reason}). Use a new --checkpoint-dir."
             ) from None
         return int(manifest["epoch"])
 
@@ -210,12 +228,26 @@ class CheckpointManager:
 def _describe(fingerprint):
     if not fingerprint:
         return "unknown layers"
-    params = sum(_product(shape) for _, shapes in fingerprint for shape in shapes)
-    return f"{', '.join(layer for layer, _ in fingerprint)}; {params:,} parameters"
+    try:  # a manifest's fingerprint may be anything
+        layers = ", ".join(str(layer) for layer, _ in fingerprint)
+        params = sum(_product(shape) for _, shapes in fingerprint for shape in shapes)
+    except (TypeError, ValueError):
+        return "an unreadable model description"
+    return f"{layers[:300]}; {params:,} parameters"
 
 
 def _product(shape):
     n = 1
     for d in shape:
+        if type(d) is not int:
+            raise TypeError(f"a dimension {d!r}")
         n *= d
     return n
+
+
+def _regular(path):
+    """True for a regular file that is not a symbolic link (which could lead anywhere)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False

@@ -7,10 +7,12 @@ and `y: int32 [n]`.
 
 import gzip
 import importlib.resources
+import math
 import os
 import socket
 import sys
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -78,7 +80,7 @@ def read_idx(path):
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged .gz stream
         raise HvdtrainError(f"Invalid MNIST file {path}: cannot read it ({e}).") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] not in (1, 3):
         raise HvdtrainError(
@@ -87,7 +89,7 @@ def read_idx(path):
     ndim = raw[3]
     header = 4 + 4 * ndim
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    if len(raw) != header + int(np.prod(dims)):
+    if len(raw) != header + math.prod(dims):  # exact: np.prod wraps around at 2**63
         raise HvdtrainError(
             f"Invalid MNIST file {path}: the header promises shape {dims} but the file holds "
             f"{len(raw) - header} bytes of data (truncated or damaged)."
@@ -106,8 +108,12 @@ def _find_idx(data_dir, names):
 
 def _load_npz(path):
     try:
-        with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+        with open(path, "rb") as file:  # ours to close, whatever np.load makes of it
+            f = np.load(file, allow_pickle=False)
+            if not isinstance(f, np.lib.npyio.NpzFile):  # a plain .npy: one unnamed array
+                raise KeyError("x_train")
+            with f:
+                return {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
     except KeyError as e:
         raise HvdtrainError(
             f"Invalid MNIST file {path}: missing array {e}; expected x_train, y_train, "
@@ -164,6 +170,11 @@ def _validate(arrays, where):
             raise HvdtrainError(
                 f"Invalid MNIST data in {where}: {split} images have shape {x.shape} and "
                 f"labels {y.shape}; expected [n, 28, 28] images and n labels."
+            )
+        if x.dtype != np.uint8 or y.dtype.kind not in "iu":
+            raise HvdtrainError(
+                f"Invalid MNIST data in {where}: {split} images are {x.dtype} and labels "
+                f"{y.dtype}; expected uint8 images (0-255) and integer labels."
             )
         if len(y) and (y.min() < 0 or y.max() > 9):
             raise HvdtrainError(f"Invalid MNIST data in {where}: {split} labels outside 0-9.")

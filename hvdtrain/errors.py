@@ -3,7 +3,16 @@
 import os
 import sys
 
-__all__ = ["HvdtrainError", "invalid_value", "env_rank", "exit_with_error"]
+__all__ = ["HvdtrainError", "invalid_value", "one_line", "env_rank", "exit_with_error"]
+
+# Everything `str.splitlines` breaks a line on, written as its escape instead.
+_LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text):
+    """`text` with its line breaks escaped (`a\\nb`), so a message stays one line even when
+    it quotes a value the user gave (a file name, a flag) that holds one."""
+    return str(text).translate(str.maketrans(_LINE_BREAKS))
 
 
 class HvdtrainError(Exception):
@@ -17,7 +26,7 @@ class HvdtrainError(Exception):
     """
 
     def __init__(self, message, every_rank=True):
-        super().__init__(message)
+        super().__init__(one_line(message))
         self.every_rank = every_rank
 
 

@@ -71,7 +71,9 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
     global values. `samples_per_epoch` is this rank's number of training samples in one
     epoch. When `evaluate_fn` is given, it runs on every rank at the end of each epoch and
     its results join the logs as `val_*` (every rank takes part: validating on rank 0 alone
-    would hang the others in the next allreduce).
+    would hang the others in the next allreduce). A callback of your own that evaluates
+    on rank 0 alone does hang; with `hvdtrain.WatchdogCallback` the job then ends after
+    the stall time, naming rank 0 and its epoch-end callbacks (tests/test_no_hangs.py).
     """
 
     def __init__(self, samples_per_epoch, evaluate_fn=None):

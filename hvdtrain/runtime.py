@@ -14,16 +14,20 @@ and is then launched with, for example::
 import hashlib
 import logging
 import os
+import re
 import socket
+import sys
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
     "init",
+    "stall_settings",
+    "stall_shutdown_seconds",
     "gpu_for_local_rank",
     "threads_per_rank",
     "is_main_process",
@@ -33,6 +37,15 @@ __all__ = [
 ]
 
 log = logging.getLogger("hvdtrain")
+
+# A rank that makes no progress for this long ends the job (Horovod's stall shutdown and
+# `hvdtrain.WatchdogCallback`). Long enough for a rank-0-only checkpoint, export or first-step
+# compile of a large model; short enough that a hung job does not hold its hosts for hours.
+STALL_SHUTDOWN_SECONDS = 300
+STALL_WARNING_SECONDS = 60  # Horovod's own default for the stall warning
+_STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+_STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+_STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
 
 
 def gpu_for_local_rank(local_rank, num_gpus, local_size=None):
@@ -67,7 +80,67 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     return share
 
 
-def init(threads=None, pin_gpu=True, comm=None):
+def _seconds(value, name):
+    """A whole number of seconds >= 0 from an int or its decimal text, else the error."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit():
+        raise invalid_value(name, value, "a whole number of seconds >= 0 (0 turns it off)")
+    return int(text)
+
+
+def _env_int(text, default):
+    """Horovod's reading of a number variable (strtol: the leading digits, else 0)."""
+    digits = re.match(r"\s*\d*", text or "").group().strip()
+    return int(digits) if digits else (default if text is None else 0)
+
+
+def stall_settings(environ, shutdown_seconds=None):
+    """The HOROVOD_STALL_* variables that `init` sets: those missing from `environ` (pure).
+
+    Horovod (see horovod/common/stall_inspector.cc) lets rank 0 check, every
+    HOROVOD_STALL_CHECK_TIME_SECONDS, for tensors that some ranks submitted and others did
+    not; after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS it logs the missing ranks (marked `!`)
+    and shuts Horovod down on every rank, so the waiting ranks fail instead of hanging. Its
+    shutdown is off by default; hvdtrain turns it on.
+
+    Args:
+        environ: the process environment (read, never changed). Variables the user set
+            (e.g. by `horovodrun --stall-check-shutdown-time-seconds`) are kept.
+        shutdown_seconds: the shutdown time; by default HVDTRAIN_STALL_SHUTDOWN_SECONDS,
+            else `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
+
+    Returns:
+        {name: value} to set; the warning time is min(60, shutdown / 2), at least 1, since
+        Horovod ignores a shutdown time below the warning time.
+    """
+    if shutdown_seconds is None:
+        text = environ.get(_STALL_ENV, "").strip()
+        shutdown = _seconds(text, _STALL_ENV) if text else STALL_SHUTDOWN_SECONDS
+    else:
+        shutdown = _seconds(shutdown_seconds, "stall_shutdown_seconds")
+    out = {}
+    if _STALL_CHECK in environ:
+        warning = _env_int(environ[_STALL_CHECK], STALL_WARNING_SECONDS)
+    else:
+        warning = max(1, min(STALL_WARNING_SECONDS, shutdown // 2 or STALL_WARNING_SECONDS))
+        out[_STALL_CHECK] = str(warning)
+    if _STALL_SHUTDOWN not in environ:
+        out[_STALL_SHUTDOWN] = str(max(shutdown, warning) if shutdown else 0)
+    return out
+
+
+def stall_shutdown_seconds(environ=None):
+    """The stall shutdown time in effect (0: off), as Horovod reads it from `environ`, or
+    as `init` would set it when it has not run yet."""
+    environ = os.environ if environ is None else environ
+    if _env_int(environ.get("HOROVOD_STALL_CHECK_DISABLE"), 0) > 0:
+        return 0
+    if _STALL_SHUTDOWN not in environ:
+        environ = {**environ, **stall_settings(environ)}
+    return _env_int(environ.get(_STALL_SHUTDOWN), 0)
+
+
+def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     """Initialises Horovod and this process's devices; call once, before building models.
 
     Args:
@@ -77,11 +150,19 @@ def init(threads=None, pin_gpu=True, comm=None):
             `MPI.COMM_WORLD.Split`) or a list of ranks of MPI_COMM_WORLD; by default all of
             them. Needs Horovod on MPI (`mpirun`, `horovodrun --mpi`; not Gloo); import
             mpi4py before this call, so that mpi4py initialises MPI and finalises it at exit.
+        stall_shutdown_seconds: end the job when ranks wait this long for a rank that
+            stopped submitting tensors (Horovod's stall shutdown; see `stall_settings`) and
+            time `hvdtrain.WatchdogCallback` by it; by default
+            HVDTRAIN_STALL_SHUTDOWN_SECONDS, else 300; 0 turns both off. The HOROVOD_STALL_*
+            variables, when set, win. Also prints `hvdtrain: rank R failed: ...` after an
+            uncaught exception's traceback.
 
     Returns:
         The GPU index used, or None on a CPU-only host.
     """
+    os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
     hvd.init(comm=comm)
+    _name_failures(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
             f"Invalid value for `comm`: received a {type(comm).__name__} while Horovod runs on "
@@ -107,6 +188,35 @@ def init(threads=None, pin_gpu=True, comm=None):
         except RuntimeError:
             pass
     return index
+
+
+def _name_failures(rank):
+    """After an uncaught exception's traceback, prints one line naming this rank (and, with
+    a `WatchdogCallback`, what it was doing): not every launcher tags output with ranks."""
+    previous = sys.excepthook
+    if getattr(previous, "hvdtrain_rank", None) is not None:
+        previous.hvdtrain_rank = rank
+        return
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        watchdog = sys.modules.get("hvdtrain.watchdog")
+        last = watchdog.last_activity() if watchdog else None
+        where = f" (last: {last})" if last else ""
+        if "Horovod has been shut down" in str(value):
+            text = (
+                "stopped: Horovod was shut down because another rank failed, exited or "
+                "stalled (see its error)"
+            )
+        else:
+            first = next((line for line in str(value).splitlines() if line.strip()), "")
+            text = f"failed: {kind.__name__}" + (f": {first.strip()[:300]}" if first else "")
+        print(f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}", file=sys.stderr, flush=True)
+
+    hook.hvdtrain_rank = rank
+    sys.excepthook = hook
 
 
 def is_main_process():

@@ -123,13 +123,17 @@ def parse(parser, argv=None):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise invalid_value(f"--{name.replace('_', '-')}", value, "a positive integer")
-    if not args.lr > 0:
+    if not 0 < args.lr < float("inf"):
         raise invalid_value("--lr", args.lr, "a positive learning rate")
+    if not 0 <= args.seed < 2**31:  # numpy refuses seeds outside [0, 2**32) mid-job
+        raise invalid_value("--seed", args.seed, "an integer from 0 to 2147483647")
+    if args.threads is not None and args.threads > 4096:
+        raise invalid_value("--threads", args.threads, "at most 4096 threads per rank")
     if getattr(args, "elastic", False) and args.accumulate > 1:
         raise invalid_value("--accumulate", args.accumulate, "1 with --elastic")
     if args.checkpoint_every < 0:
         raise invalid_value("--checkpoint-every", args.checkpoint_every, "a number of steps >= 0")
-    if not args.warmup_epochs >= 0:
+    if not 0 <= args.warmup_epochs < float("inf"):
         raise invalid_value("--warmup-epochs", args.warmup_epochs, "a number >= 0")
     if getattr(args, "data_dir", None) and not os.path.isdir(args.data_dir):
         raise invalid_value("--data-dir", args.data_dir, "an existing folder")

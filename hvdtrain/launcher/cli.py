@@ -56,6 +56,8 @@ from hvdtrain.launcher.commands import (
     find_program,
     format_command,
     program_for,
+    redact_argv,
+    redact_text,
 )
 from hvdtrain.launcher.hosts import (
     format_hosts,
@@ -103,7 +105,11 @@ def _build_parser():
     tune.add_argument("--cycle-time-ms", metavar="MS", help="fusion cycle (default 1)")
     tune.add_argument("--timeline-filename", metavar="FILE", help="write a Horovod timeline")
     tune.add_argument("--stall-check-warning-time-seconds", metavar="S", help="default 60")
-    tune.add_argument("--stall-check-shutdown-time-seconds", metavar="S", help="default 0 (off)")
+    tune.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        metavar="S",
+        help="0 is off; default 300 under hvdtrain.init, else Horovod's 0",
+    )
     tune.add_argument(
         "--network-interface",
         action="append",
@@ -145,7 +151,7 @@ def _positive(args, name, flag, minimum=1, kind=int):
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not value >= minimum or (kind is float and value != value):
+    if value is None or not minimum <= value < float("inf"):  # not nan, not inf
         what = "an integer" if kind is int else "a number"
         raise invalid_value(flag, text, f"{what} >= {minimum}, e.g. {flag} {max(minimum, 1)}")
     return value
@@ -183,13 +189,15 @@ def parse_args(argv=None):
     for item in args.exports:
         name, sep, value = item.partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise invalid_value("-x", item, "NAME or NAME=VALUE with NAME a variable name")
+            shown = f"{name}=***" if sep else item  # the value may be a secret
+            raise invalid_value("-x", shown, "NAME or NAME=VALUE with NAME a variable name")
         exports.append((name, value if sep else None))
     args.exports = tuple(exports)
     try:
         args.mpi_args = tuple(shlex.split(args.mpi_args or ""))
     except ValueError as e:
-        raise invalid_value("--mpi-args", args.mpi_args, f"shell words ({e})") from None
+        shown = redact_text(args.mpi_args)
+        raise invalid_value("--mpi-args", shown, f"shell words ({e})") from None
     return elastic.check_args(args)
 
 
@@ -246,7 +254,8 @@ def make_config(args, environ):
             if value:
                 raise invalid_value(flag, value, "nothing with --backend srun, which uses no ssh")
     if args.mpi_args and backend not in ("mpi", "mpirun"):
-        raise invalid_value("--mpi-args", shlex.join(args.mpi_args), "--backend mpi or mpirun")
+        shown = shlex.join(redact_argv(args.mpi_args))
+        raise invalid_value("--mpi-args", shown, "--backend mpi or mpirun")
     for name, value in args.exports:
         if value is None and name not in environ:
             raise invalid_value("-x", name, f"a variable set here, or {name}=VALUE")
@@ -328,7 +337,7 @@ def _own_names():
 def _doctor(args):
     if args.command:
         raise HvdtrainError(
-            f"doctor takes no command (received {shlex.join(args.command)!r}); "
+            f"doctor takes no command (received {shlex.join(redact_argv(args.command))!r}); "
             "expected e.g. `hvdtrain-run doctor --hostfile hosts.txt`"
         )
     hosts, _, _ = resolve_hosts(args, os.environ)

@@ -53,6 +53,7 @@ __all__ = [
     "exported_names",
     "is_secret",
     "redact_argv",
+    "redact_text",
     "format_command",
 ]
 
@@ -62,6 +63,7 @@ EXPORTED_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "NCCL_", "TF_")
 _SECRET = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 _NAME = re.compile(r"-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*")
 _MASK = "***"
+_SECRET_WORD = re.compile(rf"(\S*(?:{_SECRET.pattern})\S*?)(=|\s+)(\S+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -283,15 +285,28 @@ def redact_argv(argv):
             out.append(_MASK)
             hide_next = False
             continue
-        name, sep, _ = arg.partition("=")
+        name, sep, value = arg.partition("=")
         if sep and _NAME.fullmatch(name) and is_secret(name):
             out.append(f"{name}={_MASK}")
+        elif sep and name.startswith("-") and any(c.isspace() for c in value):
+            out.append(f"{name}={redact_text(value)}")  # --mpi-args="--password x"
         elif arg.startswith("-") and not sep and is_secret(arg):
             out.append(arg)
             hide_next = True
         else:
             out.append(arg)
     return out
+
+
+def redact_text(text):
+    """`text` (shell words, perhaps unbalanced) with the word after or in each secret-looking
+    name masked: `--password x --token=y` -> `--password *** --token=***`."""
+    try:
+        words = shlex.split(text)
+        masked = redact_argv(words)
+        return text if masked == words else shlex.join(masked)
+    except ValueError:  # an unclosed quote: mask by pattern
+        return _SECRET_WORD.sub(lambda m: f"{m.group(1)}{m.group(2)}{_MASK}", text)
 
 
 def format_command(argv, env=None, environ=None):

@@ -14,6 +14,7 @@ where `hosts.txt` may mix the dialects of the common launchers (see `launch/host
 Every mistake is one `HvdtrainError` naming the file and line (`hosts.txt:3: ...`).
 """
 
+import os
 import re
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ _OPENMPI = re.compile(rf"^({_HOST})\s+slots=(\S*)(?:\s+max[_-]slots=(\S*))?$")
 _COLON = re.compile(rf"^({_HOST}):(\S*)$")
 _BARE = re.compile(rf"^({_HOST})$")
 _DIALECTS = "`host slots=N`, `host slots=N max_slots=M`, `host:N` or `host`"
+_MAX_HOSTFILE = 1 << 20  # characters: a hostfile of 10,000 hosts is about 200 KiB
 
 
 class Host(NamedTuple):
@@ -47,8 +49,8 @@ class Host(NamedTuple):
 
 
 def _positive_int(text):
-    """`int(text)` when `text` is a plain positive integer ("4", not "+4", "4.0" or "0")."""
-    if text.isdigit() and int(text) > 0:
+    """`int(text)` when `text` is a plain positive integer ("4", not "+4", "4.0", "0", "²")."""
+    if text.isascii() and text.isdigit() and int(text) > 0:
         return int(text)
     return None
 
@@ -138,11 +140,17 @@ def read_hostfile(path):
     """Reads and parses the hostfile at `path` (see `parse_hostfile_text`).
 
     Raises:
-        HvdtrainError: the file is missing, unreadable, not UTF-8 text, or badly written.
+        HvdtrainError: the file is missing, not a regular file (a FIFO would block, a
+            device never end), larger than 1 MiB, not UTF-8 text, or badly written.
     """
     try:
+        if not os.path.isfile(path):
+            what = "a folder" if os.path.isdir(path) else "missing or not a regular file"
+            raise invalid_value("--hostfile", str(path), f"a readable hostfile ({what})")
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(_MAX_HOSTFILE + 1)
+        if len(text) > _MAX_HOSTFILE:
+            raise HvdtrainError(f"{path}: larger than 1 MiB; expected a hostfile")
     except UnicodeDecodeError:
         raise HvdtrainError(f"{path}: not a text file; expected a hostfile") from None
     except OSError as e:

@@ -12,6 +12,8 @@ SLURM_NODELIST), SLURM_TASKS_PER_NODE (`2(x3),1`), SLURM_NTASKS_PER_NODE and SLU
 Compressed node lists (`node[01-03,7],gpu5`) are expanded here, without `scontrol`.
 """
 
+import collections
+import itertools
 import re
 from typing import NamedTuple
 
@@ -19,6 +21,8 @@ from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.launcher.hosts import Host
 
 __all__ = ["Allocation", "detect_allocation", "expand_nodelist", "expand_tasks_per_node"]
+
+MAX_HOSTS = 100_000  # a node list longer than this is a mistake (`n[0-99999999]`), not a job
 
 
 class Allocation(NamedTuple):
@@ -52,12 +56,14 @@ def _split_top_level(text):
 
 def _expand_range(item):
     """`01-03` -> ['01', '02', '03'] (keeping the zero padding); `7` -> ['7']."""
-    match = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+    match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", item)
     if not match:
         raise ValueError(f"{item!r} is not a number or a range like 01-03")
     first, last = match.group(1), match.group(2) or match.group(1)
     if int(last) < int(first):
         raise ValueError(f"the range {item!r} runs backwards")
+    if int(last) - int(first) >= MAX_HOSTS:
+        raise ValueError(f"the range {item!r} names more than {MAX_HOSTS:,} hosts")
     width = len(first) if first.startswith("0") else 0
     return [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
 
@@ -71,7 +77,7 @@ def _expand_one(name):
         return [name]
     prefix, suffix = name[: match.start()], name[match.end() :]
     numbers = [n for item in match.group(1).split(",") for n in _expand_range(item)]
-    return [host for n in numbers for host in _expand_one(prefix + n + suffix)]
+    return (host for n in numbers for host in _expand_one(prefix + n + suffix))  # lazy
 
 
 def expand_nodelist(text, name="SLURM_JOB_NODELIST"):
@@ -81,7 +87,14 @@ def expand_nodelist(text, name="SLURM_JOB_NODELIST"):
         HvdtrainError: unbalanced brackets, bad ranges, empty entries.
     """
     try:
-        hosts = [host for part in _split_top_level(text.strip()) for host in _expand_one(part)]
+        parts = _split_top_level(text.strip())
+        every = (host for part in parts for host in _expand_one(part))
+        hosts = list(itertools.islice(every, MAX_HOSTS + 1))
+        if len(hosts) > MAX_HOSTS:
+            raise ValueError(f"more than {MAX_HOSTS:,} hosts")
+        twice = next((h for h, n in collections.Counter(hosts).items() if n > 1), None)
+        if twice:
+            raise ValueError(f"{twice!r} is listed twice")
     except ValueError as e:
         raise invalid_value(
             name, text, f"a SLURM node list such as node[01-03,7],gpu5 ({e})"
@@ -97,11 +110,17 @@ def expand_tasks_per_node(text, name="SLURM_TASKS_PER_NODE"):
     """
     counts = []
     for item in text.strip().split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if not match or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
+        match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", item.strip())
+        repeat = int(match.group(2) or 1) if match else 0
+        if not match or int(match.group(1)) < 1 or not 1 <= repeat <= MAX_HOSTS - len(counts):
             raise invalid_value(name, text, "task counts such as 2(x3),1")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
+        counts += [int(match.group(1))] * repeat
     return counts
+
+
+def _digits(text):
+    """True for ASCII digits only: `str.isdigit` also passes `²`, which int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def detect_allocation(environ):
@@ -120,13 +139,13 @@ def detect_allocation(environ):
         return None
     names = expand_nodelist(nodelist)
     ntasks_text = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
-    if ntasks_text is not None and not (ntasks_text.isdigit() and int(ntasks_text) > 0):
+    if ntasks_text is not None and not (_digits(ntasks_text) and int(ntasks_text) > 0):
         raise invalid_value("SLURM_NTASKS", ntasks_text, "a positive integer")
     ntasks = int(ntasks_text) if ntasks_text else None
 
     if environ.get("SLURM_TASKS_PER_NODE"):
         slots = expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"])
-    elif (environ.get("SLURM_NTASKS_PER_NODE") or "").isdigit():
+    elif _digits(environ.get("SLURM_NTASKS_PER_NODE") or ""):
         slots = [int(environ["SLURM_NTASKS_PER_NODE"])] * len(names)
     elif ntasks and ntasks % len(names) == 0:
         slots = [ntasks // len(names)] * len(names)

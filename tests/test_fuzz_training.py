@@ -1,0 +1,336 @@
+"""Hostile input to the training side: `python -m hvdtrain.mnist` flags, MNIST files,
+checkpoint folders and manifests.
+
+Properties (hypothesis): any input either gives something sane or raises `HvdtrainError`
+with a one-line message; nothing else escapes, nothing hangs (pytest-timeout), nothing is
+written. Loading is safe by construction: IDX files are parsed by hand, `.npz` goes
+through `np.load(allow_pickle=False)`, checkpoints are `tf.train.Checkpoint` + a JSON
+manifest (no pickle), and hvdtrain never loads a `.keras` file (it only exports one; a
+user's `tf.keras.models.load_model` keeps Keras' safe_mode on by default).
+"""
+
+import gzip
+import io
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from hvdtrain.datasets import load_mnist, read_idx
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.mnist import parse_args
+
+pytestmark = pytest.mark.timeout(120)
+SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+ODD = ["²", "٣", "+3", " 3", "1_0", "0", "-1", "nan", "inf", "-inf", "1e400", "0x10", "\u2028"]
+
+
+def one_line(message):
+    assert len(str(message).splitlines()) <= 1, repr(message)
+
+
+def fresh(tmp_path_factory, name):
+    return tmp_path_factory.mktemp(name)
+
+
+# -- python -m hvdtrain.mnist flags ----------------------------------------------------
+
+FLAGS = [
+    "--epochs", "--batch-size", "--lr", "--warmup-epochs", "--seed", "--limit-samples",
+    "--threads", "--mixed-precision", "--fp16-allreduce", "--accumulate", "--checkpoint-dir",
+    "--keep-checkpoints", "--metrics-json", "--log-dir", "--model", "--data-dir",
+]  # fmt: skip
+VALUES = ["1", "32", "0.001", "convnet", "mlp", "auto", "bfloat16", "/", "/nonexistent",
+          "99999999999999999999", "4294967296", "1e-3", *ODD]  # fmt: skip
+WORD = st.one_of(st.sampled_from(FLAGS), st.sampled_from(VALUES), st.text(max_size=10))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(WORD, max_size=10))
+@example(["--warmup-epochs", "inf"])
+@example(["--lr", "inf"])
+@example(["--seed", "-1"])
+@example(["--seed", "4294967296"])
+@example(["--threads", "99999999999"])
+@example(["stray\nword"])
+def test_mnist_flags(argv):
+    try:
+        args = parse_args(argv)
+    except HvdtrainError as e:
+        one_line(e)
+        return
+    # What training relies on: finite numbers in range (checked here, not mid-job).
+    assert args.epochs >= 1 and args.batch_size >= 1 and args.keep_checkpoints >= 1
+    assert math.isfinite(args.lr) and args.lr > 0
+    assert math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0
+    assert 0 <= args.seed < 2**31
+    assert args.threads is None or 1 <= args.threads <= 4096
+
+
+# -- MNIST files -----------------------------------------------------------------------
+
+
+def idx_bytes(ndim, dims, data_len, magic_type=0x08):
+    header = bytes([0, 0, magic_type, ndim]) + b"".join(d.to_bytes(4, "big") for d in dims)
+    return header + bytes(data_len)
+
+
+IDX = st.one_of(
+    st.binary(max_size=300),
+    st.builds(
+        idx_bytes,
+        st.sampled_from([0, 1, 2, 3, 4]),
+        st.lists(st.sampled_from([0, 1, 2, 4, 28, 2**31, 2**32 - 1]), max_size=4),
+        st.integers(0, 2000),
+        st.sampled_from([0x08, 0x08, 0x09, 0x0D]),
+    ),
+)
+
+
+def gzipped(data, damage):
+    raw = gzip.compress(data)
+    if damage:  # keep the gzip header, garble the deflate stream or cut it short
+        cut = len(raw) * damage // 4
+        raw = raw[:10] + bytes(b ^ 0x5A for b in raw[10:cut]) + raw[cut:]
+    return raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=IDX, gz=st.booleans(), damage=st.integers(0, 3))
+@example(data=idx_bytes(3, [2**31, 2**31, 4], 0), gz=False, damage=0)  # 2**64 wraps to 0
+@example(data=idx_bytes(3, [2, 28, 28], 2 * 28 * 28), gz=True, damage=2)
+def test_read_idx(tmp_path_factory, data, gz, damage):
+    path = fresh(tmp_path_factory, "idx") / ("f.idx.gz" if gz else "f.idx")
+    path.write_bytes(gzipped(data, damage) if gz else data)
+    try:
+        array = read_idx(str(path))
+    except HvdtrainError as e:
+        one_line(e)
+        return
+    assert array.dtype == np.uint8 and array.ndim in (1, 3)
+
+
+def npz_bytes(arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def full(dtype, shape, fill):
+    with np.errstate(invalid="ignore"):  # nan cast to an integer type: any value will do
+        return np.full(shape, fill).astype(dtype)
+
+
+ARRAY = st.builds(
+    full,
+    st.sampled_from(["uint8", "int64", "int8", "float32", "float64", "bool", "<U2", "complex64"]),
+    st.sampled_from([(0,), (3,), (3, 28, 28), (2, 28, 28), (3, 28), (3, 28, 28, 1), ()]),
+    st.sampled_from([0, 3, 9, 10, -1, 0.5, 255, 300, float("nan")]),
+)
+
+
+def npy_bytes(array):
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+PREFIXES = [b"", b"PK\x03\x04", b"\x93NUMPY\x01\x00", b"\x1f\x8b\x08"]
+NPZ = st.one_of(
+    st.tuples(st.sampled_from(PREFIXES), st.binary(max_size=300)).map(b"".join),
+    st.dictionaries(
+        st.sampled_from(["x_train", "y_train", "x_test", "y_test", "other"]), ARRAY, max_size=5
+    ).map(npz_bytes),
+    ARRAY.map(npy_bytes),  # a plain .npy named mnist.npz
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=SLOW_OK)
+@given(NPZ)
+@example(npy_bytes(np.zeros((2, 28, 28), np.uint8)))
+def test_load_mnist_npz(tmp_path_factory, blob):
+    folder = fresh(tmp_path_factory, "npz")
+    (folder / "mnist.npz").write_bytes(blob)
+    check_mnist(folder)
+
+
+def check_mnist(folder):
+    before = sorted(os.listdir(folder))
+    try:
+        (x, y), (xt, yt) = load_mnist("data-dir", str(folder))
+    except HvdtrainError as e:
+        one_line(e)
+    else:
+        for images, labels in ((x, y), (xt, yt)):
+            assert images.dtype == np.float32 and images.shape[1:] == (28, 28, 1)
+            assert labels.dtype == np.int32 and len(labels) == len(images)
+            assert np.all((images >= 0) & (images <= 1)), "images outside [0, 1]"
+            assert np.all((labels >= 0) & (labels <= 9))
+    assert sorted(os.listdir(folder)) == before  # nothing written
+
+
+IDX_NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+             "t10k-labels-idx1-ubyte"]  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=SLOW_OK)
+@given(st.lists(st.one_of(IDX, st.builds(idx_bytes, st.just(1), st.just([2]), st.just(2))),
+                min_size=4, max_size=4), st.booleans())  # fmt: skip
+def test_load_mnist_idx_folder(tmp_path_factory, files, gz):
+    folder = fresh(tmp_path_factory, "idxdir")
+    for name, data in zip(IDX_NAMES, files, strict=True):
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(data))
+        else:
+            (folder / name).write_bytes(data)
+    check_mnist(folder)
+
+
+def test_good_idx_folder_still_loads(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, n, image in zip(IDX_NAMES, (6, 6, 4, 4), (True, False, True, False), strict=True):
+        dims = [n, 28, 28] if image else [n]
+        data = rng.integers(0, 256 if image else 10, size=dims, dtype=np.uint8)
+        (tmp_path / name).write_bytes(idx_bytes(len(dims), dims, 0) + data.tobytes())
+    (x, y), (xt, yt) = load_mnist("data-dir", str(tmp_path))
+    assert x.shape == (6, 28, 28, 1) and yt.shape == (4,)
+
+
+def test_npz_with_pickled_objects_is_refused(tmp_path):
+    """allow_pickle=False: an object array (a pickle inside the .npz) is never loaded."""
+    arrays = {k: np.array([{"a": 1}], dtype=object) for k in ("x_train", "y_train")}
+    np.savez(tmp_path / "mnist.npz", x_test=np.zeros((1, 28, 28)), y_test=np.zeros(1), **arrays)
+    with pytest.raises(HvdtrainError, match="Invalid MNIST file .*pickle"):
+        load_mnist("data-dir", str(tmp_path))
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+FILE_NAMES = st.sampled_from(
+    ["state.index", "../escape", "/dev/zero", "/etc/hostname", ".", "", "fifo", "sub/x", "a\x00"]
+)
+
+
+def manifest_strategy():
+    entry = st.one_of(
+        st.tuples(st.integers(-1, 100), st.text("0123456789abcdef", max_size=64)).map(list),
+        JSON,
+    )
+    crafted = st.fixed_dictionaries(
+        {"files": st.one_of(st.dictionaries(FILE_NAMES, entry, max_size=3), JSON)},
+        optional={"epoch": JSON | st.integers(), "fingerprint": JSON, "format": JSON},
+    )
+    return st.one_of(
+        st.binary(max_size=200),
+        JSON.map(lambda v: json.dumps(v).encode()),
+        crafted.map(lambda v: json.dumps(v).encode()),
+        st.just(b"[" * 100_000),  # nesting deeper than json's recursion limit
+    )
+
+
+def make_checkpoint_dir(root, manifest, extra):
+    ckpt = root / "ckpt" / "epoch-0001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_bytes(manifest)
+    (ckpt / "state.index").write_bytes(extra)
+    os.mkfifo(ckpt / "fifo")  # reading it would block forever
+    (root / "ckpt" / "epoch-bad").mkdir()
+    (root / "ckpt" / "epoch-0002").write_bytes(b"a file, not a folder")
+    return root / "ckpt"
+
+
+def snapshot(folder):
+    return sorted(
+        (os.path.relpath(os.path.join(d, f), folder), os.lstat(os.path.join(d, f)).st_size)
+        for d, _, files in os.walk(folder)
+        for f in files
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=SLOW_OK)
+@given(manifest=manifest_strategy(), extra=st.binary(max_size=50))
+@example(manifest=json.dumps({"epoch": 1, "files": {"/dev/zero": [0, ""]}}).encode(), extra=b"")
+@example(manifest=json.dumps({"epoch": 1, "files": {"fifo": [0, ""]}}).encode(), extra=b"")
+@example(manifest=json.dumps({"epoch": 1, "files": []}).encode(), extra=b"")
+@example(manifest=json.dumps({"files": {}}).encode(), extra=b"")
+@example(manifest=b"[" * 100_000, extra=b"")
+def test_checkpoint_latest(tmp_path_factory, manifest, extra):
+    from hvdtrain.checkpoint import CheckpointManager
+
+    root = fresh(tmp_path_factory, "ckpt")
+    folder = make_checkpoint_dir(root, manifest, extra)
+    os.mkfifo(folder / "epoch-0003")  # not a folder either
+    before = snapshot(root)
+    try:
+        found = CheckpointManager(str(folder), None, None).latest()
+    except HvdtrainError as e:
+        one_line(e)
+        found = None
+    if found is not None:  # only a checkpoint whose every file checks out
+        epoch, path, data = found
+        assert epoch == 1 and data["epoch"] == 1 and isinstance(data["files"], dict)
+        assert data["files"] and all(os.path.isfile(os.path.join(path, n)) for n in data["files"])
+        assert all(os.path.dirname(n) == "" and n not in (".", "..") for n in data["files"])
+    assert snapshot(root) == before  # latest() writes nothing
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A real checkpoint of a tiny Keras model, and a manager of the same model."""
+    import tensorflow as tf
+
+    from hvdtrain.checkpoint import CheckpointManager
+
+    def build():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+        optimizer = tf.keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+        return model, optimizer
+
+    folder = tmp_path_factory.mktemp("real") / "ckpt"
+    CheckpointManager(str(folder), *build()).save(1)
+    return folder, CheckpointManager(str(folder), *build())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=SLOW_OK)
+@given(
+    fields=st.dictionaries(st.sampled_from(["epoch", "fingerprint", "format", "logs"]), JSON),
+    drop=st.sampled_from([None, "epoch", "fingerprint"]),
+    garble=st.sampled_from([None, "state.index", "state.data-00000-of-00001"]),
+)
+@example(fields={"fingerprint": [["Dense", [[3, 5], [5]]]]}, drop=None, garble=None)
+@example(fields={"epoch": "one"}, drop=None, garble=None)
+def test_checkpoint_restore(saved, tmp_path_factory, fields, drop, garble):
+    """Manifest fields rewritten (with the file digests kept right, as an attacker would)
+    or a state file replaced: restoring gives the checkpoint or one HvdtrainError."""
+    from hvdtrain.checkpoint import CheckpointManager, _sha256
+
+    original, manager = saved
+    folder = fresh(tmp_path_factory, "restore") / "ckpt"
+    shutil.copytree(original, folder)
+    path = folder / "epoch-0001"
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(fields)
+    if drop:
+        manifest.pop(drop, None)
+    if garble:
+        (path / garble).write_bytes(b"\x00garbage" * 8)
+        manifest["files"][garble] = [os.path.getsize(path / garble), _sha256(path / garble)]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    mine = CheckpointManager(str(folder), manager.model, manager.optimizer)
+    try:
+        found = mine.latest()
+        if found is not None:
+            assert mine.restore(found[1], found[2]) == 1
+    except HvdtrainError as e:
+        one_line(e)

@@ -1,0 +1,271 @@
+"""No hangs: a rank that crashes, raises or stops making progress ends the whole job.
+
+Real 2-rank jobs under `horovodrun --gloo` and `horovodrun --mpi` (tests/workers/faults.py:
+a small Keras fit loop; rank 1 faults after its 5th step). Each job must exit non-zero
+within a bound counted from the fault (the worker writes its time to FAULT_STAMP), and
+its output must name the failing rank. The stall time is 5 s here (300 s by default),
+set through HVDTRAIN_STALL_SHUTDOWN_SECONDS as a user would.
+
+What ends each job (measured; see also hvdtrain/watchdog.py):
+- kill: the launcher sees the rank die (SIGKILL) and ends the others.
+- raise: the traceback, then `hvdtrain: rank 1 failed: ...` (hvdtrain.init's excepthook);
+  the exiting rank shuts Horovod down, so the waiting rank fails too.
+- sleep: the rank's watchdog (`hvdtrain.WatchdogCallback`) after the stall time. Horovod's
+  own stall shutdown ends it under MPI too (test_horovod_stall_shutdown_under_mpi) but
+  never fires under Gloo: Horovod 0.28.1's GlooController only `reserve`s its
+  `global_ranks_` vector, so the stall inspector sees zero ranks to report.
+"""
+
+import os
+import re
+import time
+
+import pytest
+from conftest import run_job, worker
+
+STALL = 5  # seconds, for every job here
+SLACK = 30  # launcher teardown and a loaded machine
+FAULTS = worker("faults.py")
+RECORD = []  # (case, job seconds, seconds after the fault), printed at the end
+# Two more cases (about 55 s): HVDTRAIN_SLOW_TESTS=1 python -m pytest tests/test_no_hangs.py -s
+slow = pytest.mark.skipif(
+    os.environ.get("HVDTRAIN_SLOW_TESTS") != "1", reason="set HVDTRAIN_SLOW_TESTS=1 to run"
+)
+
+
+def run_fault(backend, tmp_path, *args):
+    stamp = tmp_path / "fault-time"
+    start = time.monotonic()
+    proc = run_job(
+        2,
+        backend,
+        [FAULTS, *args],
+        check=False,
+        HVDTRAIN_STALL_SHUTDOWN_SECONDS=str(STALL),
+        FAULT_STAMP=str(stamp),
+    )
+    end, total = time.time(), time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert stamp.exists(), f"the fault was never injected\n{output[-6000:]}"
+    after = end - float(stamp.read_text())
+    RECORD.append((f"{backend} {' '.join(args)}", total, after))
+    print(f"\n{backend} {' '.join(args)}: exit {proc.returncode}, job {total:.1f} s, "
+          f"{after:.1f} s after the fault")  # fmt: skip
+    return proc, output, after
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    if RECORD:
+        lines = [
+            f"  {case:<28} job {total:5.1f} s, {after:5.1f} s after"
+            for case, total, after in RECORD
+        ]
+        print("\nno-hang cases:\n" + "\n".join(lines))
+
+
+BACKENDS = ["gloo", "mpi"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_rank_ends_the_job(backend, tmp_path):
+    proc, output, after = run_fault(backend, tmp_path, "kill")
+    assert proc.returncode != 0, output[-6000:]
+    assert after < SLACK, output[-6000:]
+    named = {
+        "gloo": r"Process 1 exit with status code 137",
+        "mpi": r"process rank 1 with PID \d+ on node \S+ exited on signal 9",
+    }
+    assert re.search(named[backend], output), output[-6000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_raising_rank_ends_the_job(backend, tmp_path):
+    proc, output, after = run_fault(backend, tmp_path, "raise")
+    assert proc.returncode != 0, output[-6000:]
+    assert after < SLACK, output[-6000:]
+    assert "RuntimeError: injected failure on rank 1 at step 5" in output
+    assert (
+        "hvdtrain: rank 1 failed: RuntimeError: injected failure on rank 1 at step 5 "
+        "(last: finished step 5 of epoch 1;" in output
+    ), output[-6000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sleeping_rank_ends_the_job(backend, tmp_path):
+    proc, output, after = run_fault(backend, tmp_path, "sleep")
+    assert proc.returncode != 0, output[-6000:]
+    assert STALL <= after < STALL + SLACK, output[-6000:]
+    assert re.search(
+        r"hvdtrain: rank 1 made no progress for \d+ s \(last: finished step 5 of epoch 1;", output
+    ), output[-6000:]
+    assert "rank 0 made no progress" not in output  # the waiting rank is not blamed
+
+
+@pytest.mark.timeout(300)
+def test_horovod_stall_shutdown_under_mpi(tmp_path):
+    """Without the watchdog, hvdtrain.init's stall settings still end the job under MPI:
+    Horovod marks the missing rank with `!` and shuts down."""
+    proc, output, after = run_fault("mpi", tmp_path, "sleep", "--no-watchdog")
+    assert proc.returncode != 0, output[-6000:]
+    # Horovod checks every 2 s (the warning time); a tensor waits one check as a cached
+    # one, then the shutdown time as an uncached one: about 5 + 2 x 2 s, plus cycles.
+    assert STALL <= after < 3 * STALL + SLACK, output[-6000:]
+    assert re.search(r"Missing ranks:\s*\S*1!: \[", output), output[-6000:]
+    assert f"stalled for longer than {STALL} seconds. Will shutdown." in output
+
+
+@slow
+@pytest.mark.timeout(300)
+def test_frozen_rank_ends_the_job_under_mpi(tmp_path):
+    """A stopped process (SIGSTOP) freezes Horovod's background thread too, so Horovod's
+    stall check never runs under MPI; the waiting rank's watchdog ends the job after
+    twice the stall time (it is inside a training step, waiting for the others)."""
+    proc, output, after = run_fault("mpi", tmp_path, "stop")
+    assert proc.returncode != 0, output[-6000:]
+    assert 2 * STALL <= after < 2 * STALL + SLACK, output[-6000:]
+    assert re.search(
+        r"hvdtrain: rank 0 made no progress for \d+ s \(last: in step 6 of epoch 1 \(.*"
+        r"gradient allreduce with the other ranks\)\)",
+        output,
+    ), output[-6000:]
+
+
+@slow
+@pytest.mark.timeout(300)
+def test_validation_on_one_rank_ends_the_job(tmp_path):
+    """The classic Horovod stall: evaluating (a collective) on rank 0 alone at the end of
+    an epoch. `MetricAverageCallback` evaluates on every rank, so hvdtrain's own loop
+    cannot do this; a user's callback can, and the job then ends naming rank 0's
+    epoch-end callbacks. Under Gloo, where Horovod's stall check never fires."""
+    proc, output, after = run_fault("gloo", tmp_path, "eval-alone", "0", "0")
+    assert proc.returncode != 0, output[-6000:]
+    assert STALL <= after < STALL + SLACK, output[-6000:]
+    assert re.search(
+        r"hvdtrain: rank 0 made no progress for \d+ s \(last: finished epoch 1; then in "
+        r"epoch-end callbacks",
+        output,
+    ), output[-6000:]
+
+
+# -- the pieces, without processes -----------------------------------------------------
+
+
+def test_stall_settings():
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.runtime import stall_settings, stall_shutdown_seconds
+
+    check, shutdown = "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+    assert stall_settings({}) == {check: "60", shutdown: "300"}
+    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}) == {check: "2", shutdown: "5"}
+    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}, 90) == {
+        check: "45",
+        shutdown: "90",
+    }
+    assert stall_settings({}, 0) == {check: "60", shutdown: "0"}  # off
+    # What the user set (e.g. horovodrun --stall-check-*) wins; the shutdown is never
+    # below the warning time, which Horovod would silently ignore.
+    assert stall_settings({shutdown: "30"}) == {check: "60"}
+    assert stall_settings({check: "600"}) == {shutdown: "600"}
+    assert stall_settings({check: "10", shutdown: "20"}, 5) == {}
+    assert stall_shutdown_seconds({shutdown: "30"}) == 30
+    assert stall_shutdown_seconds({shutdown: "30", "HOROVOD_STALL_CHECK_DISABLE": "1"}) == 0
+    assert stall_shutdown_seconds({}) == 300  # what init() would set
+    assert stall_shutdown_seconds({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "0"}) == 0
+    for bad in ("1.5", "-1", "soon", "1e3"):
+        with pytest.raises(HvdtrainError, match="HVDTRAIN_STALL_SHUTDOWN_SECONDS.*received"):
+            stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": bad})
+    for bad in (-1, 2.5, True, "x"):
+        with pytest.raises(HvdtrainError, match="stall_shutdown_seconds"):
+            stall_settings({}, bad)
+
+
+def _wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_watchdog_fires_without_beats_and_names_rank_and_activity():
+    from hvdtrain.watchdog import Watchdog
+
+    fired = []
+    dog = Watchdog(0.3, rank=3, on_timeout=fired.append)
+    dog.start("step 7")
+    for _ in range(10):  # beating keeps it quiet
+        time.sleep(0.1)
+        dog.beat("step 8")
+    assert not fired
+    assert _wait_for(lambda: fired)
+    assert re.fullmatch(
+        r"hvdtrain: rank 3 made no progress for \d+ s \(last: step 8\); .*\n", fired[0]
+    )
+    dog.stop()
+
+
+def test_watchdog_waits_twice_as_long_in_a_step_and_not_at_all_on_hold():
+    from hvdtrain.watchdog import Watchdog
+
+    fired = []
+    dog = Watchdog(0.3, rank=0, on_timeout=fired.append)
+    dog.start("the first step", timed=False)
+    time.sleep(0.8)
+    assert not fired  # on hold: never
+    dog.beat("in a step", waiting=True)
+    time.sleep(0.45)
+    assert not fired  # 0.45 s < 2 x 0.3 s
+    assert _wait_for(lambda: fired)
+    assert "(last: in a step)" in fired[0]
+    dog.stop()
+
+
+def test_watchdog_stops_and_checks_its_timeout():
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.watchdog import Watchdog
+
+    fired = []
+    dog = Watchdog(0.2, rank=0, on_timeout=fired.append)
+    dog.start()
+    dog.stop()
+    time.sleep(0.5)
+    assert not fired
+    for bad in (0, -1, "5", True, None):
+        with pytest.raises(HvdtrainError, match="Invalid value for `timeout`"):
+            Watchdog(bad)
+
+
+def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
+    from hvdtrain.watchdog import WatchdogCallback
+
+    callback = WatchdogCallback()  # made before hvdtrain.init(): reads the time in fit
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "42")
+    callback.on_train_begin()
+    assert callback.watchdog.timeout == 42
+    callback.on_train_end()
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0")
+    callback.on_train_begin()
+    assert callback.watchdog is None  # off with the stall shutdown
+    assert WatchdogCallback(7).watchdog.timeout == 7
+
+
+def test_watchdog_callback_times_steps_after_the_first():
+    from hvdtrain.watchdog import WatchdogCallback
+
+    fired = []
+    cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)
+    cb.on_train_begin()
+    cb.on_epoch_begin(0)
+    cb.on_train_batch_begin(0)
+    time.sleep(0.8)  # the first step (tracing) is not timed
+    assert not fired
+    cb.on_train_batch_end(0)
+    cb.on_train_batch_begin(1)
+    cb.on_train_batch_end(1)
+    assert _wait_for(lambda: fired)
+    assert "rank 1 made no progress" in fired[0] and "finished step 2 of epoch 1" in fired[0]
+    cb.on_train_end()
