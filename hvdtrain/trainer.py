@@ -313,6 +313,8 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
     test_ds = data.eval_dataset(x_test, y_test, 256, rank, size, map_fn=d.eval_map)
     throughput = hvdtrain.ThroughputCallback(global_batch)
     callbacks = [
+        # A rank that makes no progress for the stall time (300 s) ends the job: no hang.
+        hvdtrain.WatchdogCallback(),
         # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
         callbacks_mod.ModelStateAverageCallback(),
         # Horovod: average the epoch's metrics over ranks first, so everything after sees them.
