@@ -17,7 +17,7 @@ to stderr and exits with status 124; horovodrun, mpirun and `srun --kill-on-bad-
 then end the other ranks. A rank inside a training step is usually waiting in the
 gradient allreduce for the rank that stopped, so it gets twice the time: the stuck rank
 names itself first. The first step of `fit` traces and compiles the model (minutes for a
-large one) and is not timed; Horovod's stall shutdown still covers it.
+large one) and gets ten times the timeout (50 min by default).
 """
 
 import os
@@ -31,6 +31,7 @@ from hvdtrain.errors import env_rank, invalid_value
 __all__ = ["Watchdog", "WatchdogCallback", "EXIT_CODE", "last_activity"]
 
 EXIT_CODE = 124  # as timeout(1): the process was ended for taking too long
+FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
 _latest = []  # the watchdog started last in this process
 
 
@@ -71,9 +72,9 @@ class Watchdog:
         self._last = (time.monotonic(), what, self.timeout * (2 if waiting else 1))
 
     def hold(self, what):
-        """Records `what` this rank is doing without timing it (the first step of `fit`,
-        which traces and compiles the model: minutes for a large one)."""
-        self._last = (time.monotonic(), what, float("inf"))
+        """Records `what` this rank is doing, with `FIRST_STEP_FACTOR` times the timeout (the
+        first step of `fit`, which traces and compiles the model: minutes for a large one)."""
+        self._last = (time.monotonic(), what, self.timeout * FIRST_STEP_FACTOR)
 
     def start(self, what="started", timed=True):
         """Starts (or restarts) watching from now; `timed=False` starts with `hold`."""
@@ -148,7 +149,7 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
             self.watchdog.beat(what, waiting)
 
     def on_train_begin(self, logs=None):
-        self._armed = False  # the first step traces and compiles: not timed
+        self._armed = False  # the first step traces and compiles: `hold`, a longer limit
         if self._follow_stall_time:  # read now: hvdtrain.init() has run
             from hvdtrain.runtime import stall_shutdown_seconds
 

@@ -208,14 +208,19 @@ def test_watchdog_fires_without_beats_and_names_rank_and_activity():
     dog.stop()
 
 
-def test_watchdog_waits_twice_as_long_in_a_step_and_not_at_all_on_hold():
+def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
     from hvdtrain.watchdog import Watchdog
 
     fired = []
     dog = Watchdog(0.3, rank=0, on_timeout=fired.append)
     dog.start("the first step", timed=False)
-    time.sleep(0.8)
-    assert not fired  # on hold: never
+    time.sleep(1.5)
+    assert not fired  # on hold: 10 x 0.3 s
+    assert _wait_for(lambda: fired)
+    assert "made no progress for 3 s (last: the first step)" in fired[0]
+    dog.stop()
+    fired.clear()
+    dog.start("again")
     dog.beat("in a step", waiting=True)
     time.sleep(0.45)
     assert not fired  # 0.45 s < 2 x 0.3 s
@@ -261,7 +266,7 @@ def test_watchdog_callback_times_steps_after_the_first():
     cb.on_train_begin()
     cb.on_epoch_begin(0)
     cb.on_train_batch_begin(0)
-    time.sleep(0.8)  # the first step (tracing) is not timed
+    time.sleep(0.8)  # the first step (tracing) has 10 x 0.3 s
     assert not fired
     cb.on_train_batch_end(0)
     cb.on_train_batch_begin(1)
