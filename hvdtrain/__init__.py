@@ -49,6 +49,7 @@ _EXPORTS = {
     "ThroughputCallback": "callbacks",
     "Watchdog": "watchdog",
     "WatchdogCallback": "watchdog",
+    "compile_options": "tuning",
     "load_mnist": "datasets",
     "get_logger": "logs",
     "write_json": "files",

@@ -1,0 +1,542 @@
+"""The benchmark's figures: summary (efficiencies, ratios, targets), Markdown and PNG.
+
+Pure functions of the records `hvdtrain.bench.runner.execute` returns, except `plot`,
+which draws with matplotlib's Agg backend (no display needed).
+"""
+
+import os
+import statistics
+
+from hvdtrain.bench import project as project_mod
+from hvdtrain.bench.timeline import summarize_timeline
+
+__all__ = ["summarize", "projection", "markdown", "plot", "TARGETS"]
+
+# (name, model, what, threshold): checked at per-rank batch 64 and -np N.
+TARGETS = (
+    ("MLP scaling efficiency", "mlp", "efficiency", 0.90),
+    ("MLP hvdtrain / baseline", "mlp", "vs_baseline", 1.5),
+    ("MLP hvdtrain / MultiWorkerMirrored", "mlp", "vs_mwms", 4.0),
+    ("convnet scaling efficiency", "convnet", "efficiency", 0.95),
+    ("convnet hvdtrain / baseline (every batch, both backends)", "convnet", "min_vs_baseline", 1.0),
+    ("MLP hvdtrain -np 1 / Keras fit (same compile options)", "mlp", "vs_keras", 0.97),
+    ("convnet hvdtrain -np 1 / Keras fit (same compile options)", "convnet", "vs_keras", 0.97),
+)
+TARGET_BATCH = 64
+KERAS_PLAIN, KERAS_SAME = "plain", "same compile options"
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def _figures(records):
+    """Main-group results merged over rounds: one figure per (variant, label, np, backend,
+    model, batch), its samples/s the median over rounds."""
+    groups = {}
+    for rec in records:
+        if rec["group"] != "main":
+            continue
+        for r in rec["results"]:
+            key = (
+                r["variant"],
+                r.get("label", ""),
+                r["np"],
+                r["backend"],
+                r["model"],
+                r["batch_size"],
+            )
+            groups.setdefault(key, []).append(r)
+    figures = []
+    for (variant, label, np, backend, model, batch), rs in groups.items():
+        sps = [r["samples_per_sec"] for r in rs]
+        figures.append(
+            {
+                "variant": variant,
+                "label": label,
+                "np": np,
+                "backend": backend,
+                "model": model,
+                "batch_size": batch,
+                "samples_per_sec": _median(sps),
+                "step_ms": _median([r["step_ms"] for r in rs]),
+                "rounds": sps,
+                "params": rs[0].get("params"),
+            }
+        )
+    return figures
+
+
+def _get(figures, variant, np, model, batch, backend=None, label=None):
+    for f in figures:
+        if (
+            f["variant"] == variant
+            and f["np"] == np
+            and f["model"] == model
+            and f["batch_size"] == batch
+            and (backend is None or f["backend"] == backend)
+            and (label is None or f["label"] == label)
+        ):
+            return f
+    return None
+
+
+def _ratio(a, b):
+    if not a or not b or not a.get("samples_per_sec") or not b.get("samples_per_sec"):
+        return None
+    return a["samples_per_sec"] / b["samples_per_sec"]
+
+
+def _comparison(figures, n):
+    """One row per (model, batch, backend) at -np n: throughput, efficiency and ratios."""
+    rows = []
+    keys = sorted(
+        {(f["model"], f["batch_size"]) for f in figures}, key=lambda k: (k[0] != "mlp", k)
+    )
+    backends = sorted({f["backend"] for f in figures if f["variant"] == "hvdtrain" and f["np"] > 1})
+    for model, batch in keys:
+        one = {v: _get(figures, v, 1, model, batch) for v in ("hvdtrain", "baseline", "mwms")}
+        keras_plain = _get(figures, "keras", 1, model, batch, label=KERAS_PLAIN)
+        keras_same = _get(figures, "keras", 1, model, batch, label=KERAS_SAME)
+        mwms = _get(figures, "mwms", n, model, batch)
+        for backend in backends or [None]:
+            hvt = _get(figures, "hvdtrain", n, model, batch, backend)
+            base = _get(figures, "baseline", n, model, batch, backend)
+
+            def eff(fig, variant, one=one):
+                ratio = _ratio(fig, one[variant])
+                return ratio / n if ratio else None
+
+            rows.append(
+                {
+                    "model": model,
+                    "batch_size": batch,
+                    "backend": backend,
+                    "np": n,
+                    "keras_plain": _sps(keras_plain),
+                    "keras_same": _sps(keras_same),
+                    "hvdtrain_1": _sps(one["hvdtrain"]),
+                    "hvdtrain_n": _sps(hvt),
+                    "hvdtrain_efficiency": eff(hvt, "hvdtrain"),
+                    "baseline_1": _sps(one["baseline"]),
+                    "baseline_n": _sps(base),
+                    "baseline_efficiency": eff(base, "baseline"),
+                    "mwms_1": _sps(one["mwms"]),
+                    "mwms_n": _sps(mwms),
+                    "mwms_efficiency": eff(mwms, "mwms"),
+                    "vs_baseline": _ratio(hvt, base),
+                    "vs_mwms": _ratio(hvt, mwms),
+                    "vs_keras": _ratio(one["hvdtrain"], keras_same),
+                    "vs_keras_plain": _ratio(one["hvdtrain"], keras_plain),
+                }
+            )
+    return rows
+
+
+def _sps(fig):
+    return fig["samples_per_sec"] if fig else None
+
+
+def _targets(rows, default_backend):
+    out = []
+    for name, model, what, threshold in TARGETS:
+        at = [r for r in rows if r["model"] == model and r["batch_size"] == TARGET_BATCH]
+        if what == "min_vs_baseline":
+            values = [r["vs_baseline"] for r in rows if r["model"] == model and r["vs_baseline"]]
+            value, where = (min(values), "min over batches and backends") if values else (None, "")
+        else:
+            row = next((r for r in at if r["backend"] == default_backend), at[0] if at else None)
+            key = "hvdtrain_efficiency" if what == "efficiency" else what
+            value = row[key] if row else None
+            where = f"batch {TARGET_BATCH}, {row['backend']}" if row else ""
+        out.append(
+            {
+                "target": name,
+                "threshold": threshold,
+                "value": value,
+                "where": where,
+                "met": None if value is None else value >= threshold,
+            }
+        )
+    return out
+
+
+def _tuning(records, defaults):
+    """One row per (knob, setting), its figure, and its ratio to the knob's default setting
+    on the same -np, backend and model."""
+    rows = []
+    for rec in records:
+        if rec["group"] != "tuning":
+            continue
+        r = rec["results"][0] if rec["results"] else {}
+        for knob, setting in rec["tags"]:
+            rows.append(
+                {
+                    "knob": knob,
+                    "setting": setting,
+                    "default": defaults.get(knob) == setting,
+                    "np": rec["np"],
+                    "backend": rec["backend"],
+                    "model": r.get("model"),
+                    "batch_size": r.get("batch_size"),
+                    "samples_per_sec": r.get("samples_per_sec"),
+                    "step_ms": r.get("step_ms"),
+                    "noisy": r.get("noisy"),
+                    "env": rec["env"],
+                    "job": rec["name"],
+                }
+            )
+    for row in rows:
+        base = next(
+            (
+                b
+                for b in rows
+                if b["knob"] == row["knob"] and b["default"] and b["np"] == row["np"]
+                and b["backend"] == row["backend"] and b["model"] == row["model"]
+            ),
+            None,
+        )  # fmt: skip
+        row["vs_default"] = _ratio(row, base) if base else None
+    return rows
+
+
+def _sweep(records):
+    rows = [r for rec in records if rec["group"] == "sweep" for r in rec["results"]]
+    memcpy = [r["memcpy_bytes_per_sec"] for r in rows if r.get("memcpy_bytes_per_sec")]
+    return {"memcpy_bytes_per_sec": _median(memcpy), "rows": rows}
+
+
+def _profiles(records, figures, sweep, gradient_bytes):
+    """Where the MLP's step time goes at -np N (from each profile job's Horovod timeline),
+    against hvdtrain's -np 1 step and the allreduce's own cost from the sweep; and the best
+    efficiency any software could reach: compute / (compute + bare MPI allreduce)."""
+    out = []
+    for rec in records:
+        if rec["group"] != "profile" or not rec["results"]:
+            continue
+        r = rec["results"][0]
+        one = _get(figures, "hvdtrain", 1, r["model"], r["batch_size"])
+        path = rec["env"].get("HOROVOD_TIMELINE")
+        summary = None
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                summary = summarize_timeline(f.read())
+        at = [x for x in sweep["rows"] if x["bytes"] == gradient_bytes]
+        op = next((x["seconds"] * 1000 for x in at if x["backend"] == rec["backend"]), None)
+        raw = next((x["raw_mpi_seconds"] * 1000 for x in at if x.get("raw_mpi_seconds")), None)
+        row = {
+            "job": rec["name"],
+            "settings": dict(rec["tags"]).get("settings"),
+            "backend": rec["backend"],
+            "np": rec["np"],
+            "step_ms": r["step_ms"],
+            "step_ms_np1": one["step_ms"] if one else None,
+            "timeline": summary,
+            "timeline_file": path,
+            "horovod_allreduce_ms": op,
+            "raw_mpi_allreduce_ms": raw,
+        }
+        if one:
+            row["overhead_ms"] = r["step_ms"] - one["step_ms"]
+            if summary:
+                row["outside_timeline_ms"] = row["overhead_ms"] - summary["after_last_gradient"]
+            if raw:
+                row["efficiency_bound"] = one["step_ms"] / (one["step_ms"] + raw)
+        out.append(row)
+    return out
+
+
+def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_bytes=None):
+    """{figures, comparison, targets, tuning, allreduce} from the job records."""
+    figures = _figures(records)
+    rows = _comparison(figures, n)
+    sweep = _sweep(records)
+    return {
+        "default_backend": default_backend,
+        "figures": figures,
+        "comparison": rows,
+        "targets": _targets(rows, default_backend),
+        "tuning": _tuning(records, tuning_defaults or {}),
+        "allreduce": sweep,
+        "profile": _profiles(records, figures, sweep, gradient_bytes),
+    }
+
+
+def projection(data):
+    """The GPU-cluster projection, fed with the convnet's measured compute time (hvdtrain at
+    -np 1, batch 64) when the run has it."""
+    conv = next(
+        (
+            f
+            for f in data.get("figures", [])
+            if f["variant"] == "hvdtrain" and f["np"] == 1 and f["model"] == "convnet"
+            and f["batch_size"] == TARGET_BATCH
+        ),
+        None,
+    )  # fmt: skip
+    params = conv["params"] if conv else 1_199_882
+    compute = conv["step_ms"] / 1000 if conv else None
+    rows = project_mod.project(project_mod.default_workloads(compute, params))
+    return {
+        "model": "step = compute + 2(n-1)/n x gradient bytes / link bandwidth; no overlap",
+        "rows": rows,
+        "paper_check": project_mod.paper_check(),
+    }
+
+
+def _fmt(value, spec=",.0f", none="-"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(data):
+    """The whole report as Markdown."""
+    n = data["config"]["np"]
+    env = data["environment"]
+    m = data["machine_at_start"]
+    loads = [r["machine"]["load_average"][0] for r in data["runs"] if r["machine"]["load_average"]]
+    lines = [
+        "# hvdtrain scaling benchmark",
+        "",
+        f"`{data['command']}` on {env.get('cpu_model') or env['platform']} "
+        f"({env['cpus']} cores), {data['created']}; TensorFlow "
+        f"{env.get('tensorflow-cpu') or env.get('tensorflow', '?')}, "
+        f"Horovod {env.get('horovod', '?')}. "
+        f"One core per rank; every figure the median of {data['config']['repeats']} timed "
+        f"windows after a warm-up window (x {data['config']['rounds']} round(s)). "
+        f"1-minute load average at the start {m['load_average']}, before the jobs "
+        f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f} "
+        f"(jobs that found the machine busy: "
+        f"{sum(1 for r in data['runs'] if not r['machine']['quiet'])} of {len(data['runs'])}).",
+        "",
+        f"## Throughput (samples/s, all ranks) and scaling efficiency at -np {n}",
+        "",
+        "Efficiency = samples/s at N / (N x samples/s of the same variant at -np 1, one core).",
+        "",
+        f"| model | batch | backend | Keras fit -np 1 | hvdtrain -np 1 | hvdtrain -np {n} | eff. | "
+        f"baseline -np 1 | baseline -np {n} | eff. | MWMS -np 1 | MWMS -np {n} | eff. | "
+        "hvdtrain / baseline | hvdtrain / MWMS |",
+        "|" + " --- |" * 15,
+    ]
+    for r in data["comparison"]:
+        lines.append(
+            f"| {r['model']} | {r['batch_size']} | {r['backend']} | "
+            f"{_fmt(r['keras_plain'])} ({_fmt(r['keras_same'])}) | {_fmt(r['hvdtrain_1'])} | "
+            f"{_fmt(r['hvdtrain_n'])} | {_fmt(r['hvdtrain_efficiency'], '.2f')} | "
+            f"{_fmt(r['baseline_1'])} | {_fmt(r['baseline_n'])} | "
+            f"{_fmt(r['baseline_efficiency'], '.2f')} | {_fmt(r['mwms_1'])} | "
+            f"{_fmt(r['mwms_n'])} | {_fmt(r['mwms_efficiency'], '.2f')} | "
+            f"{_fmt(r['vs_baseline'], '.2f')}x | {_fmt(r['vs_mwms'], '.2f')}x |"
+        )
+    lines += [
+        "",
+        "Keras fit: plain `compile` (in brackets: with hvdtrain's compile options). MWMS runs "
+        "over gRPC whatever the backend column says. Baseline: Horovod's documented Keras recipe.",
+        "",
+        f"## Targets (-np {n}, per-rank batch {TARGET_BATCH}, hvdtrain on "
+        f"{data['default_backend']}, the hvdtrain-run default on one host)",
+        "",
+        "| target | measured | needed | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in data["targets"]:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(
+            f"| {t['target']} | {_fmt(t['value'], '.2f')} ({t['where']}) | "
+            f">= {t['threshold']:g} | {met} |"
+        )
+    if data["tuning"]:
+        lines += [
+            "",
+            "## Tuning: each hvdtrain default against the alternatives (batch 64)",
+            "",
+            "| knob | setting | model | -np | backend | samples/s | ms/step | vs default |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for t in data["tuning"]:
+            setting = f"**{t['setting']}** (default)" if t["default"] else t["setting"]
+            lines.append(
+                f"| {t['knob']} | {setting} | {t['model'] or '-'} | {t['np']} | "
+                f"{t['backend'] or '-'} | {_fmt(t['samples_per_sec'])} | "
+                f"{_fmt(t.get('step_ms'), '.2f')} | {_fmt(t['vs_default'], '.2f')} |"
+            )
+    sweep = data["allreduce"]
+    if sweep["rows"]:
+        memcpy = sweep["memcpy_bytes_per_sec"]
+        lines += [
+            "",
+            f"## Allreduce sweep (-np {n}; busbw = algbw x 2(n-1)/n)",
+            "",
+            f"Memory-copy bandwidth of one core (numpy.copyto, 64 MiB), same run: "
+            f"{_fmt(memcpy and memcpy / 1e9, '.1f')} GB/s. Horovod: its TensorFlow op after "
+            "`hvdtrain.init()` (queue, cycle, fusion-buffer copies, collective); raw MPI: "
+            "`MPI_Allreduce` through mpi4py.",
+            "",
+            "| bytes | backend | time | algbw | busbw | raw MPI time | raw MPI busbw |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in sorted(sweep["rows"], key=lambda r: (r["bytes"], r["backend"])):
+            raw = r.get("raw_mpi_seconds")
+            lines.append(
+                f"| {r['bytes']:,} | {r['backend']} | {r['seconds'] * 1e6:,.0f} us | "
+                f"{r['algbw'] / 1e9:.2f} GB/s | {r['busbw'] / 1e9:.2f} GB/s | "
+                f"{_fmt(raw and raw * 1e6, ',.0f')}{' us' if raw else ''} | "
+                f"{_fmt(r.get('raw_mpi_busbw') and r['raw_mpi_busbw'] / 1e9, '.2f')}"
+                f"{' GB/s' if raw else ''} |"
+            )
+    if data.get("profile"):
+        lines += [
+            "",
+            f"## Profile: where the MLP's step goes at -np {n} (batch 64, Horovod timeline)",
+            "",
+            "Overhead = step at -np N - hvdtrain's step at -np 1. From the timeline (rank 0): "
+            "after the last gradient was handed to Horovod, the time until its allreduce "
+            "ended: negotiation (waiting for the other ranks' gradients and the next cycle), "
+            "fusion-buffer copies, the collective. The rest of the overhead is outside the "
+            "timeline: before Horovod's background thread picked the tensors up (its cycle) "
+            "and the background thread's CPU use on the rank's core. Bound = the best "
+            "efficiency with no software overhead at all: step(-np 1) / (step(-np 1) + bare "
+            "MPI_Allreduce of the gradient, from the sweep). Timelines add a little time.",
+            "",
+            "| settings | backend | step -np 1 | step -np N | overhead | after last gradient "
+            "| negotiate | copies in+out | collective | outside timeline | allreduce ops/step "
+            "| bare MPI allreduce | bound |",
+            "|" + " --- |" * 13,
+        ]
+        for p in data["profile"]:
+            t = p["timeline"] or {}
+            coll = sum(v for k, v in t.items() if k.endswith("_ALLREDUCE"))
+            copies = t.get("MEMCPY_IN_FUSION_BUFFER", 0) + t.get("MEMCPY_OUT_FUSION_BUFFER", 0)
+            neg = t.get("wait_for_other_ranks", 0) + t.get("wait_for_cycle", 0)
+            lines.append(
+                f"| {p['settings']} | {p['backend']} | {_fmt(p['step_ms_np1'], '.2f')} ms | "
+                f"{p['step_ms']:.2f} ms | {_fmt(p.get('overhead_ms'), '.2f')} ms | "
+                f"{_fmt(t.get('after_last_gradient'), '.2f')} ms | {neg:.2f} ms | "
+                f"{copies:.2f} ms | {coll:.2f} ms | {_fmt(p.get('outside_timeline_ms'), '.2f')} ms"
+                f" | {_fmt(t.get('responses'), '.0f')} | "
+                f"{_fmt(p['raw_mpi_allreduce_ms'], '.3f')} ms | "
+                f"{_fmt(p.get('efficiency_bound'), '.2f')} |"
+            )
+    proj = data["projection"]
+    lines += [
+        "",
+        "## Projection to GPU clusters (`hvdtrain.bench.project`)",
+        "",
+        project_mod.markdown(proj["rows"], proj["paper_check"]),
+        "",
+        "## Jobs",
+        "",
+        "| job | ok | seconds | load average before | cores busy before |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in data["runs"]:
+        mach = r["machine"]
+        lines.append(
+            f"| {r['name']} | {'yes' if r['ok'] else '**no**'} | {r['seconds']:.0f} | "
+            f"{mach['load_average'][0] if mach['load_average'] else '-'} | {mach['busy_cores']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(data, path):
+    """Throughput and efficiency against -np and batch size, the sweep, the projection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = data["figures"]
+    n = data["config"]["np"]
+    models = [m for m in ("mlp", "convnet") if any(f["model"] == m for f in figures)] or ["mlp"]
+    cols = max(2, len(models))
+    fig, axes = plt.subplots(3, cols, figsize=(6 * cols, 13), squeeze=False)
+    series = [
+        ("hvdtrain", "mpi", "tab:blue", "-"),
+        ("hvdtrain", "gloo", "tab:cyan", "-"),
+        ("baseline", "mpi", "tab:red", "--"),
+        ("baseline", "gloo", "tab:orange", "--"),
+        ("mwms", None, "tab:green", ":"),
+    ]
+    for c, model in enumerate(models):
+        ax = axes[0][c]
+        batch = TARGET_BATCH
+        for variant, backend, color, style in series:
+            one = _get(figures, variant, 1, model, batch)
+            many = _get(figures, variant, n, model, batch, backend)
+            if one and many:
+                label = variant + (f" ({backend})" if backend else "")
+                ax.plot([1, n], [one["samples_per_sec"], many["samples_per_sec"]], style,
+                        color=color, marker="o", label=label)  # fmt: skip
+        one = _get(figures, "hvdtrain", 1, model, batch)
+        if one:
+            ax.plot([1, n], [one["samples_per_sec"], n * one["samples_per_sec"]], color="gray",
+                    linewidth=0.8, label="linear (hvdtrain)")  # fmt: skip
+        ax.set_title(f"{model}: samples/s against -np (batch {batch}/rank)")
+        ax.set_xlabel("-np (one core per rank)")
+        ax.set_xticks([1, n])
+        ax.set_ylabel("samples/s")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax = axes[1][c]
+        rows = [r for r in data["comparison"] if r["model"] == model]
+        for variant, backend, color, style in series:
+            pts = sorted(
+                (r["batch_size"], r[f"{variant}_efficiency"])
+                for r in rows
+                if (backend is None or r["backend"] == backend) and r[f"{variant}_efficiency"]
+            )
+            pts = sorted(dict(pts).items())
+            if pts:
+                label = variant + (f" ({backend})" if backend else "")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, marker="o",
+                        label=label)  # fmt: skip
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_title(f"{model}: scaling efficiency at -np {n} against batch size")
+        ax.set_xlabel("per-rank batch size")
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("efficiency")
+        ax.set_ylim(0, 1.1)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[2][0]
+    sweep = data["allreduce"]
+    for backend, color in (("gloo", "tab:cyan"), ("mpi", "tab:blue")):
+        pts = sorted((r["bytes"], r["busbw"], r.get("raw_mpi_busbw")) for r in sweep["rows"]
+                     if r["backend"] == backend)  # fmt: skip
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] / 1e9 for p in pts], marker="o", color=color,
+                    label=f"Horovod {backend}")  # fmt: skip
+            if pts[0][2]:
+                ax.plot([p[0] for p in pts], [p[2] / 1e9 for p in pts], "--", marker=".",
+                        color=color, label="raw MPI_Allreduce")  # fmt: skip
+    if sweep["memcpy_bytes_per_sec"]:
+        ax.axhline(sweep["memcpy_bytes_per_sec"] / 1e9, color="gray", linestyle=":",
+                   label="memcpy, one core")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"allreduce bus bandwidth, -np {n}")
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax = axes[2][1]
+    for row in data["projection"]["rows"]:
+        if row["bandwidth_gbit"] != 25:
+            continue
+        gpus = sorted(row["efficiency"], key=int)
+        ax.plot([int(g) for g in gpus], [row["efficiency"][g] for g in gpus], marker="o",
+                label=row["name"])  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("projected efficiency, 25 Gbit/s ring allreduce (no overlap)")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("efficiency")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    for c in range(2, cols):
+        axes[2][c].axis("off")
+    for c in range(len(models), cols):
+        axes[0][c].axis("off")
+        axes[1][c].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

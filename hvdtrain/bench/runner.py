@@ -1,0 +1,301 @@
+"""The benchmark's launcher side: which runs to make, the command of each, running them.
+
+Pure planning (`plan`, `launch`) and a runner that starts each job, streams its output,
+shows progress and collects the `@@hvdbench {json}` lines. Never imports TensorFlow.
+
+Launch per variant (all on localhost, one core per rank by default):
+
+- hvdtrain at -np 1: `python -m hvdtrain.bench.workers ...` (one process);
+- hvdtrain at -np N: the command `hvdtrain-run --backend gloo|mpi` builds
+  (`hvdtrain.launcher.commands.build_command`: `horovodrun --gloo|--mpi -np N -H localhost:N`),
+  so changes to the launcher's defaults show up here;
+- baseline: `horovodrun -np N -H localhost:N [--gloo|--mpi] python ...`, as Horovod's docs;
+- mwms: N plain processes, each with its TF_CONFIG (free localhost ports);
+- keras: one plain process.
+"""
+
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hvdtrain.bench.workers import CPU_MARKER, MARKER
+from hvdtrain.launcher.commands import LaunchConfig, build_command
+from hvdtrain.launcher.hosts import local_hosts
+
+__all__ = [
+    "Run",
+    "attach_usage",
+    "launch",
+    "free_ports",
+    "tf_config",
+    "quiet_wait",
+    "cpu_busy",
+    "execute",
+]
+
+_DECODER = json.JSONDecoder()
+# A window counts as quiet when other processes took less than this many cores in it.
+QUIET_BELOW = 0.15
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Run:
+    """One job: a worker module on `np` ranks under `backend` with extra settings.
+
+    Args:
+        name: unique, for logs and progress.
+        variant: hvdtrain, baseline, mwms, keras, or allreduce (the sweep).
+        np: processes.
+        backend: gloo or mpi for np > 1 (Horovod variants); None otherwise.
+        args: the worker's own arguments.
+        env: variables set for this run only (e.g. a Horovod setting under test).
+        group: what the run is for: "main", "tuning" or "sweep".
+        tags: for tuning runs, the (knob, setting) pairs this configuration stands for.
+    """
+
+    name: str
+    variant: str
+    np: int
+    backend: str | None
+    args: tuple = ()
+    env: dict = field(default_factory=dict)
+    group: str = "main"
+    tags: list = field(default_factory=list)
+
+
+def free_ports(n):
+    """`n` distinct free TCP ports on localhost (bound, read, released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tf_config(ports, index):
+    """The TF_CONFIG of worker `index` of a localhost cluster on `ports`."""
+    workers = [f"localhost:{p}" for p in ports]
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+
+def _module(variant):
+    return "hvdtrain.bench.allreduce" if variant == "allreduce" else "hvdtrain.bench.workers"
+
+
+def launch(run, python, environ, uid, ports=None):
+    """The processes that make `run`: a list of (argv, env overrides). Pure.
+
+    Args:
+        run: a `Run`.
+        python: the interpreter for every rank (this one).
+        environ: the launching environment (read only).
+        uid: the effective user id (root makes mpirun need `--allow-run-as-root`).
+        ports: for mwms with np > 1, one free port per worker.
+    """
+    command = [python, "-m", _module(run.variant)]
+    if run.variant != "allreduce":
+        command += ["--variant", run.variant]
+    command += list(run.args)
+    bindir = os.path.dirname(python)
+    if run.np == 1 and run.variant != "mwms":
+        return [(command, {"HVDBENCH_LOCAL_RANK": "0"})]
+    if run.variant == "mwms":
+        ports = ports or free_ports(run.np)
+        return [
+            (command, {"HVDBENCH_LOCAL_RANK": str(i), "TF_CONFIG": tf_config(ports, i)})
+            for i in range(run.np)
+        ]
+    if run.variant in ("hvdtrain", "allreduce"):
+        config = LaunchConfig(
+            backend=run.backend, np=run.np, hosts=tuple(local_hosts(run.np)), command=command
+        )
+        argv, env = build_command(config, environ, uid, bindir, os.path.join(bindir, "horovodrun"))
+        return [(argv, env)]
+    # The baseline: horovodrun exactly as Horovod's documentation writes it.
+    horovodrun = os.path.join(bindir, "horovodrun")
+    argv = [horovodrun, "-np", str(run.np), "-H", f"localhost:{run.np}", f"--{run.backend}"]
+    return [(argv + command, {})]
+
+
+def cpu_busy(seconds=1.0):
+    """The number of cores busy (0 .. cores) over `seconds`, from /proc/stat; None elsewhere."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    dt = total1 - total0
+    return cores * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
+
+
+def quiet_wait(limit_seconds, busy_below=0.25, log=None):
+    """Waits (at most `limit_seconds`) until other processes use less than `busy_below`
+    cores; returns what it saw: load averages, busy cores, seconds waited, quiet or not."""
+    start = time.monotonic()
+    busy = cpu_busy(0.5)
+    while busy is not None and busy >= busy_below and time.monotonic() - start < limit_seconds:
+        if log:
+            log(f"waiting for a quiet machine: {busy:.2f} cores busy elsewhere")
+        time.sleep(2)
+        busy = cpu_busy(1.0)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "load_average": [round(v, 2) for v in load] if load else None,
+        "busy_cores": round(busy, 2) if busy is not None else None,
+        "waited_seconds": round(time.monotonic() - start, 1),
+        "quiet": busy is not None and busy < busy_below,
+    }
+
+
+def _parse(line, marker):
+    at = line.find(marker)
+    if at < 0:
+        return None
+    try:  # raw_decode: mpirun --tag-output may glue the next line's tag to this one
+        return _DECODER.raw_decode(line[at + len(marker) :])[0]
+    except ValueError:
+        return None
+
+
+def _stream(proc, log_file, on_result, results, cpu_lines):
+    for line in proc.stdout:
+        log_file.write(line)
+        result = _parse(line, MARKER)
+        if result is not None:
+            results.append(result)
+            on_result(result, final=False)
+        usage = _parse(line, CPU_MARKER)
+        if usage is not None:
+            cpu_lines.append(usage)
+
+
+def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
+    """Adds to a worker's `result` how busy the machine was in each window, and bases its
+    figure on the quiet windows.
+
+    Per window: every rank's CPU seconds (`cpu_lines`, `@@hvdbench-cpu` lines) and the
+    machine's busy CPU seconds give the cores other processes took (`external_cores`).
+    `samples_per_sec` becomes the median over the windows in which they took less than
+    `quiet_below` cores, when there are `min_quiet` such windows; otherwise it stays the
+    median over all windows and `noisy` is set. Both medians are kept.
+    """
+    key = "/".join(str(result[k]) for k in ("model", "batch_size", "label"))
+    ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") == key}
+    walls = result.get("window_seconds") or []
+    busy = result.get("machine_busy_seconds") or []
+    result["rank_cpu_seconds"] = {str(r): v for r, v in sorted(ranks.items())}
+    external = []
+    for i, wall in enumerate(walls):
+        ours = [v[i] for v in ranks.values() if i < len(v)]
+        if i >= len(busy) or busy[i] is None or len(ours) != result["np"] or wall <= 0:
+            external.append(None)
+        else:
+            external.append(round(max(0.0, busy[i] - sum(ours)) / wall, 3))
+    result["external_cores"] = external
+    quiet = [w for w, e in zip(walls, external, strict=True) if e is not None and e < quiet_below]
+    result["samples_per_sec_all_windows"] = result["samples_per_sec"]
+    result["quiet_windows"] = len(quiet)
+    result["noisy"] = len(quiet) < min(min_quiet, len(walls))
+    if not result["noisy"] and quiet:
+        seconds = statistics.median(quiet)
+        result["samples_per_sec"] = result["batch_size"] * result["np"] * result["steps"] / seconds
+        result["step_ms"] = 1000 * seconds / result["steps"]
+    return result
+
+
+def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=None):
+    """Runs `run` to the end (or `timeout`), returns its record with the results.
+
+    Output of every process goes to `log_dir/<name>.log`; rank 0's result lines are parsed
+    as they come (`on_result` shows progress).
+    """
+    quiet = quiet_wait(quiet_seconds, log=log) if quiet_seconds else quiet_wait(0)
+    uid = os.getuid() if hasattr(os, "getuid") else 1
+    procs = launch(run, sys.executable, base_env, uid)
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, f"{run.name}.log")
+    results, cpu_lines, started = [], [], time.monotonic()
+    with open(path, "w") as log_file:
+        handles = []
+        for argv, env in procs:
+            full = {**base_env, **run.env, **env}
+            log_file.write("$ " + shlex.join(argv) + "\n")
+            log_file.flush()
+            handles.append(
+                subprocess.Popen(
+                    argv,
+                    env=full,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=PACKAGE_ROOT,
+                    start_new_session=True,
+                )
+            )
+        readers = [
+            threading.Thread(
+                target=_stream, args=(h, log_file, on_result, results, cpu_lines), daemon=True
+            )
+            for h in handles
+        ]
+        for t in readers:
+            t.start()
+        deadline = started + timeout
+        while any(h.poll() is None for h in handles):
+            failed = any(h.poll() not in (None, 0) for h in handles)
+            if failed or time.monotonic() > deadline:  # a rank failed: the others would hang
+                for h in handles:
+                    if h.poll() is None:
+                        try:
+                            os.killpg(h.pid, 9)
+                        except OSError:
+                            pass
+                break
+            time.sleep(0.2)
+        timed_out = time.monotonic() > deadline
+        codes = [h.wait() for h in handles]
+        for t in readers:
+            t.join(timeout=5)
+    for result in results:
+        if "window_seconds" in result:
+            attach_usage(result, cpu_lines)
+            on_result(result, final=True)
+    return {
+        "name": run.name,
+        "variant": run.variant,
+        "np": run.np,
+        "backend": run.backend,
+        "group": run.group,
+        "tags": [list(t) for t in run.tags],
+        "env": dict(run.env),
+        "command": [shlex.join(argv) for argv, _ in procs],
+        "exit_codes": codes,
+        "ok": all(c == 0 for c in codes),
+        "timed_out": timed_out,
+        "seconds": round(time.monotonic() - started, 1),
+        "machine": quiet,
+        "log": os.path.relpath(path, os.path.dirname(log_dir)),
+        "results": results,
+    }

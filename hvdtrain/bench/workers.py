@@ -1,0 +1,343 @@
+"""The benchmark's training workers: one process per rank, started by `hvdtrain.bench`.
+
+    python -m hvdtrain.bench.workers --variant hvdtrain --models mlp --batch-sizes 64
+
+Variants, all on the same synthetic data, models, per-rank batch and cores:
+
+- `hvdtrain`: hvdtrain's own path: `hvdtrain.init`, `train_dataset`, `distributed_optimizer`,
+  `broadcast_initial_state`, `compile_options` (its defaults), `fit`.
+- `baseline`: a plain Horovod Keras script as Horovod's documentation and its
+  `tensorflow2_keras_mnist.py` example write it (hvd.init, `DistributedOptimizer`, the
+  broadcast and metric-average callbacks, `fit`), no tuning. The example's
+  `LearningRateWarmupCallback` is left out: it sets the learning rate from Python before
+  every batch and would only make the baseline slower.
+- `mwms`: `tf.distribute.MultiWorkerMirroredStrategy` as in TensorFlow's multi-worker Keras
+  tutorial (TF_CONFIG set by the launcher, global batch = per-worker batch x workers).
+- `keras`: plain Keras `fit`, no Horovod, one process (the reference for `hvdtrain` at -np 1);
+  `--steps-per-execution` gives it the same compile settings as hvdtrain.
+
+Each process first binds itself to its share of the cores (local rank r gets cores
+r*c .. r*c+c-1 of those it may use, c = HVDBENCH_CORES_PER_RANK, default 1), before
+TensorFlow starts, so every variant runs on the same thread budget; HVDBENCH_BIND=none
+leaves the binding to the operating system.
+
+Timing: `fit` runs `1 + repeats` epochs of `steps` steps; the first is the warm-up (tracing,
+the shuffle buffer) and is dropped; each later epoch is one timed window, measured from
+its first to its last step by rank 0 (the ranks are in lock step through the allreduce).
+Rank 0 prints one line per configuration: `@@hvdbench {json}`.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+__all__ = ["main", "bind_to_cores", "local_rank_from_env", "MARKER"]
+
+MARKER = "@@hvdbench "
+CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window
+VARIANTS = ("hvdtrain", "baseline", "mwms", "keras")
+_RECORDED_ENV = ("HOROVOD_", "OMPI_MCA_", "HVDBENCH_", "OMP_NUM_THREADS", "TF_ENABLE_ONEDNN")
+_LOCAL_RANK_VARS = ("HVDBENCH_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def local_rank_from_env(environ=None):
+    """This process's rank on its host, from the launcher's variables (0 when alone)."""
+    environ = os.environ if environ is None else environ
+    for name in _LOCAL_RANK_VARS:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def bind_to_cores(local_rank, cores_per_rank, available):
+    """The cores of `local_rank`: its own `cores_per_rank` of the sorted `available` ones
+    (wrapping around when there are more ranks than cores)."""
+    cores = sorted(available)
+    start = (local_rank * cores_per_rank) % len(cores)
+    return {cores[(start + i) % len(cores)] for i in range(min(cores_per_rank, len(cores)))}
+
+
+def _bind():
+    if os.environ.get("HVDBENCH_BIND", "core") == "none" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = bind_to_cores(
+        local_rank_from_env(),
+        int(os.environ.get("HVDBENCH_CORES_PER_RANK", "1")),
+        os.sched_getaffinity(0),
+    )
+    os.sched_setaffinity(0, cores)
+    return sorted(cores)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--models", default="mlp", help="comma-separated: mlp, convnet")
+    p.add_argument("--batch-sizes", default="64", help="comma-separated per-rank batch sizes")
+    p.add_argument("--steps", default="mlp=256,convnet=16", help="steps per window, per model")
+    p.add_argument("--repeats", type=int, default=5, help="timed windows after the warm-up")
+    p.add_argument("--samples", type=int, default=8192, help="synthetic samples in all")
+    p.add_argument("--steps-per-execution", type=int, help="override the variant's default")
+    p.add_argument("--threads", type=int, help="hvdtrain: intra-op threads (default: its own)")
+    p.add_argument("--label", default="", help="recorded with each result")
+    return p.parse_args(argv)
+
+
+def _steps_for(spec, model):
+    table = dict(item.split("=") for item in spec.split(",") if "=" in item)
+    return int(table.get(model, next(iter(table.values()), 64)))
+
+
+def synthetic_data(n, seed=0):
+    """`n` random 28x28x1 float32 images in [0, 1) and int64 labels 0-9 (the same on every
+    rank and variant)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int64)
+    return x, y
+
+
+def machine_busy_seconds():
+    """CPU seconds all cores of this machine spent busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _usage():
+    t = os.times()
+    return time.perf_counter(), t.user + t.system, machine_busy_seconds()
+
+
+def _timer(windows):
+    """A callback that appends (wall seconds, this process's CPU seconds, the machine's busy
+    CPU seconds) of each epoch to `windows`: the last two tell how much of the machine other
+    processes took during the window."""
+    import tensorflow as tf
+
+    class WindowTimer(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = _usage()
+
+        def on_epoch_end(self, epoch, logs=None):
+            end = _usage()
+            busy = None if end[2] is None else end[2] - self._start[2]
+            windows.append((end[0] - self._start[0], end[1] - self._start[1], busy))
+
+    return WindowTimer()
+
+
+def _loss():
+    import tensorflow as tf
+
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _run_hvdtrain(args, model_name, batch, steps, x, y):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvdtrain
+    from hvdtrain.models import build_model
+
+    size = hvd.size()
+    ds = hvdtrain.train_dataset(x, y, batch, hvd.rank(), size)
+    model = build_model(model_name)
+    schedule = hvdtrain.WarmupSchedule(1e-3, size, warmup_steps=steps)
+    opt = hvdtrain.distributed_optimizer(tf.keras.optimizers.Adam(schedule))
+    options = hvdtrain.compile_options(steps)
+    if args.steps_per_execution:
+        options["steps_per_execution"] = args.steps_per_execution
+    model.compile(opt, loss=_loss(), metrics=["accuracy"], **options)
+    hvdtrain.broadcast_initial_state(model, opt)
+    windows = []
+    model.fit(
+        ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=[_timer(windows)], verbose=0
+    )
+    return windows, options, model.count_params()
+
+
+def _run_baseline(args, model_name, batch, steps, x, y):
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    from hvdtrain.models import build_model
+
+    # As Horovod's tensorflow2_keras_mnist.py: every rank reads all the data, repeat, shuffle
+    # (10,000), batch; lr x size; DistributedOptimizer; broadcast and metric-average callbacks.
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().shuffle(10000).batch(batch)
+    model = build_model(model_name)
+    opt = hvd.DistributedOptimizer(tf.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(
+        loss=_loss(), optimizer=opt, metrics=["accuracy"], experimental_run_tf_function=False
+    )
+    windows = []
+    callbacks = [
+        _timer(windows),
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+    ]
+    model.fit(ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=callbacks, verbose=0)
+    return windows, {}, model.count_params()
+
+
+def _run_mwms(args, model_name, batch, steps, x, y, strategy):
+    import tensorflow as tf
+
+    from hvdtrain.models import build_model
+
+    # As TensorFlow's multi-worker Keras tutorial: a global batch split over the workers.
+    workers = strategy.num_replicas_in_sync
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).repeat()
+    ds = ds.batch(batch * workers)
+    with strategy.scope():
+        model = build_model(model_name)
+        model.compile(
+            optimizer=tf.keras.optimizers.Adam(0.001 * workers), loss=_loss(), metrics=["accuracy"]
+        )
+    windows = []
+    model.fit(
+        ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=[_timer(windows)], verbose=0
+    )
+    return windows, {}, model.count_params()
+
+
+def _run_keras(args, model_name, batch, steps, x, y, options):
+    import tensorflow as tf
+
+    from hvdtrain.models import build_model
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).repeat()
+    ds = ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+    model = build_model(model_name)
+    model.compile(tf.keras.optimizers.Adam(1e-3), loss=_loss(), metrics=["accuracy"], **options)
+    windows = []
+    model.fit(
+        ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=[_timer(windows)], verbose=0
+    )
+    return windows, options, model.count_params()
+
+
+def _median(values):
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def main(argv=None):
+    cores = _bind()  # before TensorFlow creates a thread
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = _parse(argv)
+    import tensorflow as tf
+
+    rank, size, strategy, backend = 0, 1, None, None
+    if args.variant == "hvdtrain":
+        import horovod.tensorflow as hvd
+
+        import hvdtrain
+
+        hvdtrain.init(threads=args.threads)
+        rank, size = hvd.rank(), hvd.size()
+        backend = "mpi" if hvd.mpi_enabled() and size > 1 else ("gloo" if size > 1 else None)
+    elif args.variant == "baseline":
+        import horovod.tensorflow.keras as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        backend = "mpi" if hvd.mpi_enabled() and size > 1 else ("gloo" if size > 1 else None)
+    elif args.variant == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = strategy.cluster_resolver
+        rank, size = resolver.task_id or 0, strategy.num_replicas_in_sync
+        backend = "grpc" if size > 1 else None
+
+    x, y = synthetic_data(args.samples)
+    for model_name in args.models.split(","):
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            steps = _steps_for(args.steps, model_name)
+            if args.variant == "keras":  # plain, then with hvdtrain's compile options
+                from hvdtrain.tuning import compile_options
+
+                same = compile_options(steps)
+                if args.steps_per_execution:
+                    same["steps_per_execution"] = args.steps_per_execution
+                keras_runs = [("plain", {}), ("same compile options", same)]
+            else:
+                keras_runs = [(args.label, None)]
+            for label, keras_options in keras_runs:
+                start = time.perf_counter()
+                if args.variant == "hvdtrain":
+                    windows, options, params = _run_hvdtrain(args, model_name, batch, steps, x, y)
+                elif args.variant == "baseline":
+                    windows, options, params = _run_baseline(args, model_name, batch, steps, x, y)
+                elif args.variant == "mwms":
+                    windows, options, params = _run_mwms(
+                        args, model_name, batch, steps, x, y, strategy
+                    )
+                else:
+                    windows, options, params = _run_keras(
+                        args, model_name, batch, steps, x, y, keras_options
+                    )
+                tf.keras.backend.clear_session()
+                result = _result(args, label, size, backend, model_name, batch, steps, windows)
+                result.update(
+                    compile_options={k: v for k, v in options.items() if isinstance(v, int)},
+                    params=params,
+                    cores=cores,
+                    seconds=round(time.perf_counter() - start, 2),
+                )
+                if rank == 0:
+                    print(MARKER + json.dumps(result), flush=True)
+                cpu = [round(w[1], 3) for w in windows[1:]]
+                line = {"rank": rank, "key": _key(result), "cpu": cpu}
+                print(CPU_MARKER + json.dumps(line), flush=True)
+    if strategy is not None and size > 1:
+        # Every figure is out; MultiWorkerMirrored's gRPC teardown takes 10 s or more.
+        sys.stdout.flush()
+        os._exit(0)
+    return 0
+
+
+def _key(result):
+    """What identifies one measurement across the ranks' lines."""
+    return "/".join(str(result[k]) for k in ("model", "batch_size", "label"))
+
+
+def _result(args, label, size, backend, model_name, batch, steps, windows):
+    import tensorflow as tf
+
+    timed = [w[0] for w in windows[1:]]
+    seconds = _median(timed)
+    return {
+        "variant": args.variant,
+        "label": label,
+        "np": size,
+        "backend": backend,
+        "model": model_name,
+        "batch_size": batch,
+        "steps": steps,
+        "repeats": len(timed),
+        "window_seconds": [round(t, 6) for t in timed],
+        "warmup_seconds": round(windows[0][0], 3),
+        "machine_busy_seconds": [None if w[2] is None else round(w[2], 3) for w in windows[1:]],
+        "step_ms": 1000 * seconds / steps,
+        "samples_per_sec": batch * size * steps / seconds,
+        "threads": {
+            "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+            "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
+        },
+        "env": {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV)},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

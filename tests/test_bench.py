@@ -1,0 +1,230 @@
+"""The scaling benchmark: its smallest configuration end to end (output shape, not timing),
+and the pure parts (commands, projection, summary) without processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, job_env
+
+from hvdtrain.errors import HvdtrainError
+
+BENCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvdtrain.bench", "--quick", "--out", str(out)],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return out, proc
+
+
+def test_quick_run_writes_json_markdown_and_png(quick):
+    out, proc = quick
+    assert "[1/" in proc.stderr and "samples/s" in proc.stderr  # progress while it runs
+    data = json.loads((out / "bench.json").read_text())
+    assert data["config"]["quick"] and data["config"]["np"] >= 2
+    assert all(r["ok"] for r in data["runs"]), [r["name"] for r in data["runs"] if not r["ok"]]
+    for r in data["runs"]:
+        assert set(r["machine"]) >= {"load_average", "busy_cores", "quiet", "waited_seconds"}
+        assert os.path.isfile(out / r["log"])
+    n = data["config"]["np"]
+    have = {(f["variant"], f["np"], f["backend"], f["label"]) for f in data["figures"]}
+    for key in [
+        ("keras", 1, None, "plain"),
+        ("keras", 1, None, "same compile options"),
+        ("hvdtrain", 1, None, ""),
+        ("hvdtrain", n, "gloo", ""),
+        ("hvdtrain", n, "mpi", ""),
+        ("baseline", 1, None, ""),
+        ("baseline", n, "gloo", ""),
+        ("baseline", n, "mpi", ""),
+        ("mwms", 1, None, ""),
+        ("mwms", n, "grpc", ""),
+    ]:
+        assert key in have, key
+    for f in data["figures"]:
+        assert f["model"] == "mlp" and f["batch_size"] == 64 and f["samples_per_sec"] > 0
+    rows = data["comparison"]
+    assert {r["backend"] for r in rows} == {"gloo", "mpi"}
+    for r in rows:
+        for key in ("hvdtrain_efficiency", "baseline_efficiency", "mwms_efficiency"):
+            assert 0 < r[key] < 2
+        assert r["vs_baseline"] > 0 and r["vs_mwms"] > 0 and r["vs_keras"] > 0
+        assert r["hvdtrain_efficiency"] == pytest.approx(r["hvdtrain_n"] / (n * r["hvdtrain_1"]))
+    assert [t["target"] for t in data["targets"]][:3] == [
+        "MLP scaling efficiency",
+        "MLP hvdtrain / baseline",
+        "MLP hvdtrain / MultiWorkerMirrored",
+    ]
+    sweep = data["allreduce"]
+    assert sweep["memcpy_bytes_per_sec"] > 0
+    sizes = (4096, 269_322 * 4)  # 4 KB and the MLP's gradient
+    assert {(r["backend"], r["bytes"]) for r in sweep["rows"]} == {
+        (b, s) for b in ("gloo", "mpi") for s in sizes
+    }
+    for r in sweep["rows"]:
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (n - 1) / n)
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
+        assert (r["backend"] == "mpi") == ("raw_mpi_seconds" in r)
+    assert data["projection"]["rows"] and data["projection"]["paper_check"]
+    md = (out / "bench.md").read_text()
+    for heading in ("## Throughput", "## Targets", "## Allreduce sweep", "## Projection"):
+        assert heading in md
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
+    from hvdtrain.bench.cli import parse_args, plan_runs
+
+    args = parse_args(["--np", "2", "--rounds", "2"])
+    runs = plan_runs(args)
+    main = [r for r in runs if r.group == "main"]
+    assert len(main) == 2 * (1 + 3 + 3 + 2)  # keras; hvdtrain, baseline x (1, gloo, mpi); mwms
+    assert {(r.variant, r.np, r.backend) for r in main} >= {
+        ("hvdtrain", 1, None),
+        ("hvdtrain", 2, "gloo"),
+        ("hvdtrain", 2, "mpi"),
+        ("baseline", 2, "mpi"),
+        ("mwms", 2, None),
+    }
+    assert "mlp,convnet" in main[0].args and "32,64,128" in main[0].args
+    assert [r.group for r in runs].count("sweep") == 2
+    assert any(r.group == "tuning" for r in runs)
+    assert len({r.name for r in runs}) == len(runs)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--models", "resnet"], "--models"),
+        (["--batch-sizes", "0"], "--batch-sizes"),
+        (["--backends", "nccl"], "--backends"),
+        (["-np", "1"], "-np"),
+        (["--bogus"], "unrecognized"),
+    ],
+)
+def test_bad_options_are_one_clear_error(argv, match):
+    from hvdtrain.bench.cli import parse_args
+
+    with pytest.raises(HvdtrainError, match=match):
+        parse_args(argv)
+
+
+def test_launch_commands_per_variant():
+    from hvdtrain.bench.runner import Run, launch
+
+    env = {"PATH": "/usr/bin"}
+    py = "/venv/bin/python"
+    [(argv, extra)] = launch(Run("a", "hvdtrain", 1, None, ("--models", "mlp")), py, env, 1000)
+    assert argv == [py, "-m", "hvdtrain.bench.workers", "--variant", "hvdtrain", "--models", "mlp"]
+    assert extra == {"HVDBENCH_LOCAL_RANK": "0"}
+    [(argv, extra)] = launch(Run("b", "hvdtrain", 2, "mpi"), py, env, 1000)
+    assert argv[:6] == ["/venv/bin/horovodrun", "--mpi", "-np", "2", "-H", "localhost:2"]
+    assert extra["PATH"].startswith("/venv/bin")  # hvdtrain-run's own command builder
+    [(argv, _)] = launch(Run("c", "baseline", 2, "gloo"), py, env, 1000)
+    assert argv[:6] == ["/venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
+    procs = launch(Run("d", "mwms", 2, None), py, env, 1000, ports=[5001, 5002])
+    assert [p[1]["HVDBENCH_LOCAL_RANK"] for p in procs] == ["0", "1"]
+    configs = [json.loads(p[1]["TF_CONFIG"]) for p in procs]
+    assert configs[1] == {
+        "cluster": {"worker": ["localhost:5001", "localhost:5002"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    [(argv, _)] = launch(Run("e", "allreduce", 2, "gloo", ("--sizes", "4096")), py, env, 1000)
+    assert "hvdtrain.bench.allreduce" in argv and "--variant" not in argv
+
+
+def test_each_rank_gets_its_own_cores():
+    from hvdtrain.bench.workers import bind_to_cores, local_rank_from_env
+
+    assert bind_to_cores(0, 1, {0, 1}) == {0}
+    assert bind_to_cores(1, 1, {0, 1}) == {1}
+    assert bind_to_cores(2, 1, {0, 1}) == {0}  # more ranks than cores: wrap around
+    assert bind_to_cores(1, 2, {4, 5, 6, 7}) == {6, 7}
+    assert local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == 1
+    assert local_rank_from_env({"HOROVOD_LOCAL_RANK": "3"}) == 3
+    assert local_rank_from_env({}) == 0
+
+
+def test_projection_follows_the_ring_model_and_the_paper():
+    from hvdtrain.bench import project
+
+    assert project.ring_allreduce_seconds(1e9, 1, 1e9) == 0
+    assert project.ring_allreduce_seconds(1e9, 2, 1e9) == pytest.approx(1.0)
+    assert project.ring_allreduce_seconds(1e9, 512, 1e9) == pytest.approx(2 * 511 / 512)
+    assert project.efficiency(1.0, 1e9, 2, 1e9) == pytest.approx(0.5)
+    for row in project.paper_check():
+        assert 0.80 <= row["predicted"][128] <= 0.92  # published: 0.88-0.90
+    rows = project.project(project.default_workloads(0.1, 1.2e6))
+    assert {r["bandwidth_gbit"] for r in rows} == {25, 100}
+    for r in rows:
+        effs = [r["efficiency"][n] for n in sorted(r["efficiency"])]
+        assert effs == sorted(effs, reverse=True)  # more GPUs, never better
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    from hvdtrain.bench.allreduce import bus_bandwidth
+
+    assert bus_bandwidth(1000, 1.0, 4) == (1000, 1500)
+    assert bus_bandwidth(1000, 0.5, 1) == (2000, 2000)
+
+
+def _result(variant, np, backend, sps, label="", model="mlp", batch=64):
+    return {
+        "variant": variant,
+        "label": label,
+        "np": np,
+        "backend": backend,
+        "model": model,
+        "batch_size": batch,
+        "samples_per_sec": sps,
+        "step_ms": 1.0,
+    }
+
+
+def test_summary_efficiency_ratios_and_targets():
+    from hvdtrain.bench.report import markdown, summarize
+
+    results = [
+        _result("keras", 1, None, 1000, "plain"),
+        _result("keras", 1, None, 1000, "same compile options"),
+        _result("hvdtrain", 1, None, 1000),
+        _result("hvdtrain", 2, "mpi", 1900),
+        _result("baseline", 1, None, 900),
+        _result("baseline", 2, "mpi", 1000),
+        _result("mwms", 1, None, 400),
+        _result("mwms", 2, "grpc", 400),
+    ]
+    records = [{"group": "main", "results": results}]
+    s = summarize(records, 2, default_backend="mpi")
+    [row] = s["comparison"]
+    assert row["hvdtrain_efficiency"] == pytest.approx(0.95)
+    assert row["baseline_efficiency"] == pytest.approx(1000 / 1800)
+    assert row["vs_baseline"] == pytest.approx(1.9)
+    assert row["vs_mwms"] == pytest.approx(4.75)
+    assert row["vs_keras"] == pytest.approx(1.0)
+    met = {t["target"]: t["met"] for t in s["targets"]}
+    assert met["MLP scaling efficiency"] and met["MLP hvdtrain / baseline"]
+    assert met["convnet scaling efficiency"] is None  # not measured
+    data = {
+        **s,
+        "config": {"np": 2, "repeats": 5, "rounds": 1},
+        "environment": {"platform": "x", "cpus": 2},
+        "machine_at_start": {"load_average": [0.1, 0.1, 0.1]},
+        "created": "now",
+        "command": "python -m hvdtrain.bench",
+        "runs": [],
+        "projection": {"rows": [], "paper_check": []},
+    }
+    assert "| mlp | 64 | mpi |" in markdown(data)
