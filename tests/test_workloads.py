@@ -159,3 +159,12 @@ def test_images_with_local_weights_freezes_the_base(tmp_path):
     model = build_model(2, str(weights))
     assert not model.get_layer("mobilenetv2_1.00_224").trainable
     assert len(model.trainable_weights) == 2  # the new head only
+
+
+def test_cifar10_resnet50_trains_a_few_steps(tmp_path):
+    metrics = tmp_path / "m.json"
+    run_job(1, "none", ["-m", "hvdtrain.cifar10", "--model", "resnet50", "--epochs", "1",
+                        "--limit-samples", "16", "--batch-size", "8",
+                        "--metrics-json", str(metrics)])  # fmt: skip
+    m = json.loads(metrics.read_text())
+    assert m["steps_per_epoch"] == 2 and m["optimizer_iterations"] == 2
