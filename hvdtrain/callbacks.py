@@ -104,7 +104,7 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
         self._start, self._batches = time.perf_counter(), 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
+        self._batches = batch + 1  # with steps_per_execution > 1, Keras calls once per execution
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start

@@ -22,6 +22,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import tuning
 from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
@@ -143,6 +144,12 @@ def stall_shutdown_seconds(environ=None):
 def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     """Initialises Horovod and this process's devices; call once, before building models.
 
+    Performance defaults (`hvdtrain.tuning`, measured by `python -m hvdtrain.bench`):
+    before `hvd.init()`, where the environment does not set them, a 0.1 ms Horovod cycle
+    (with more than one rank) and MPI waits that yield the core; after it, on CPU-only
+    hosts, Horovod's background threads are scheduled SCHED_IDLE, so they run while the
+    compute waits for them and never take its core.
+
     Args:
         threads: intra-op threads per rank; by default the host's cores / local ranks.
         pin_gpu: pin one GPU per local rank with memory growth on (a no-op without GPUs).
@@ -161,7 +168,10 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
         The GPU index used, or None on a CPU-only host.
     """
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
+    os.environ.update(tuning.horovod_settings(os.environ))  # cycle time, MPI waits; see there
+    before = tuning.thread_ids()
     hvd.init(comm=comm)
+    horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     _name_failures(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
@@ -177,9 +187,11 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
         tf.config.threading.set_inter_op_parallelism_threads(min(2, n))
     except RuntimeError:  # TensorFlow already started (a second init in one process)
         pass
+    gpus = tf.config.list_physical_devices("GPU")
+    if tuning.background_policy(os.environ, bool(gpus)) == "idle":
+        tuning.set_idle(horovod_threads)  # they run when the compute waits; see hvdtrain.tuning
     if not pin_gpu:
         return None
-    gpus = tf.config.list_physical_devices("GPU")
     index = gpu_for_local_rank(hvd.local_rank(), len(gpus), hvd.local_size())
     if index is not None:
         try:

@@ -253,7 +253,11 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
         opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
+    # Several steps per call into TensorFlow (hvdtrain.tuning); one when callbacks must act
+    # before or after every single step (mid-epoch checkpoints, per-step random seeds).
+    per_step = bool(args.checkpoint_every or args.deterministic)
+    fast = hvdtrain.compile_options(steps, steps_per_execution=1 if per_step else None)
+    model.compile(optimizer=opt, loss=loss, metrics=["accuracy"], **fast)
     opt.build(model.trainable_variables)
 
     global_batch = args.batch_size * size
@@ -378,6 +382,7 @@ def train(args, *, prog, build_model, load_data, optimizer="adam"):
         "initial_epoch": initial_epoch,
         "resumed_from": resumed,
         "steps_per_epoch": steps,
+        "steps_per_execution": fast["steps_per_execution"],
         "batch_size": args.batch_size,
         "global_batch_size": global_batch,
         "deterministic": bool(args.deterministic),

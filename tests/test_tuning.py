@@ -1,0 +1,87 @@
+"""hvdtrain's performance defaults (`hvdtrain.tuning`): what is set when, and that the
+user's settings win. The measurements behind them are `python -m hvdtrain.bench`'s."""
+
+import os
+
+import pytest
+from conftest import run_job
+
+from hvdtrain import tuning
+
+
+def test_compile_options_several_steps_per_call_at_most_an_epoch():
+    assert tuning.compile_options() == {"steps_per_execution": tuning.STEPS_PER_EXECUTION}
+    assert tuning.compile_options(steps_per_epoch=5) == {"steps_per_execution": 5}
+    assert tuning.compile_options(100, steps_per_execution=1) == {"steps_per_execution": 1}
+    assert tuning.compile_options(0, steps_per_execution=0) == {"steps_per_execution": 1}
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, {"OMPI_MCA_mpi_yield_when_idle": "1"}),  # one process: Horovod's 1 ms cycle
+        ({"HOROVOD_SIZE": "1"}, {"OMPI_MCA_mpi_yield_when_idle": "1"}),
+        (
+            {"OMPI_COMM_WORLD_SIZE": "2"},
+            {"HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1"},
+        ),
+        ({"HOROVOD_SIZE": "4", "HOROVOD_CYCLE_TIME": "5"}, {"OMPI_MCA_mpi_yield_when_idle": "1"}),
+        (
+            {"SLURM_STEP_NUM_TASKS": "8", "OMPI_MCA_mpi_yield_when_idle": "0"},
+            {"HOROVOD_CYCLE_TIME": "0.1"},
+        ),
+    ],
+)
+def test_horovod_settings_only_where_the_user_set_nothing(environ, expected):
+    assert tuning.horovod_settings(environ) == expected
+
+
+def test_background_threads_idle_on_cpu_hosts_only():
+    assert tuning.background_policy({}, has_gpu=False) == "idle"
+    assert tuning.background_policy({}, has_gpu=True) == "normal"
+    assert tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "normal"}, False) == "normal"
+    assert tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "IDLE"}, True) == "idle"
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_set_idle_changes_only_the_threads_given():
+    import threading
+
+    ready, stop = threading.Event(), threading.Event()
+    tids = []
+
+    def work():
+        tids.append(threading.get_native_id())
+        ready.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=work)
+    t.start()
+    ready.wait(10)
+    try:
+        assert tids[0] in tuning.thread_ids()
+        assert tuning.set_idle(tids) == tids
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_IDLE
+        assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
+        assert tuning.set_idle([2**22 + 12345]) == []  # no such thread: nothing, no error
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_init_applies_the_defaults_on_real_ranks(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import os, hvdtrain, horovod.tensorflow as hvd\n"
+        "hvdtrain.init()\n"
+        "idle = sum(os.sched_getscheduler(int(t)) == os.SCHED_IDLE\n"
+        "           for t in os.listdir('/proc/self/task'))\n"
+        "print('rank', hvd.rank(), os.environ.get('HOROVOD_CYCLE_TIME'),\n"
+        "      os.environ['OMPI_MCA_mpi_yield_when_idle'], idle > 0)\n"
+    )
+    out = run_job(2, "mpi", [str(script)]).stdout
+    assert out.count("0.1 1 True") == 2, out
+    out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2").stdout
+    assert out.count("2 1 True") == 2, out  # the user's cycle time wins
+    out = run_job(1, "none", [str(script)]).stdout
+    assert "rank 0 None 1 True" in out, out
