@@ -85,9 +85,10 @@ def test_dry_run_horovodrun(backend):
     assert line == f"{VENV_PATH} {shlex.join(want)}"
 
 
-def test_dry_run_default_is_gloo_and_dash_dash_is_optional():
+def test_dry_run_default_is_mpi_on_one_host_and_dash_dash_is_optional():
     assert dry("-np", "2", "--", *MNIST) == dry("-np", "2", *MNIST)
-    assert f"{BIN}/horovodrun --gloo -np 2 -H localhost:2 python" in dry("-np", "2", *MNIST)
+    # One host and mpirun installed: Open MPI's shared memory (hvdtrain.bench measures it).
+    assert f"{BIN}/horovodrun --mpi -np 2 -H localhost:2 python" in dry("-np", "2", *MNIST)
     # Options after the command belong to the command.
     assert dry("python", "t.py", "-np", "9").endswith("-np 1 -H localhost:1 python t.py -np 9")
     assert dry("-np", "2", "--", "python", "t.py", "--", "x").endswith("python t.py -- x")
@@ -229,7 +230,10 @@ def test_missing_hostfile(tmp_path):
         (["--backend", "pbs", "true"], "invalid choice: 'pbs'"),
         ([], "no command to run"),
         (["--backend", "srun", "true"], "SLURM_JOB_ID"),
-        (["--mpi-args=-v", "true"], "`--mpi-args`: received '-v'; expected --backend mpi"),
+        (
+            ["--backend", "gloo", "--mpi-args=-v", "true"],
+            "`--mpi-args`: received '-v'; expected --backend mpi",
+        ),
         (["-x", "NOT_SET_ANYWHERE", "true"], "expected a variable set here"),
         (["-x", "1BAD=2", "true"], "Invalid value for `-x`"),
         (["--ssh-port", "70000", "true"], "a port number from 1 to 65535"),
@@ -385,3 +389,15 @@ def test_failing_rank_fails_the_launch(backend):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "rank 1 gives up: exit 3" in proc.stdout + proc.stderr
+
+
+def test_default_backend_per_topology():
+    from hvdtrain.launcher.cli import default_backend
+    from hvdtrain.launcher.hosts import Host
+
+    one = [Host("localhost", 2)]
+    assert default_backend(one, False, "/usr/bin/mpirun") == "mpi"
+    assert default_backend([Host("node1", 2)], False, "/x/mpirun", ("node1",)) == "mpi"
+    assert default_backend(one, False, None) == "gloo"  # no Open MPI here
+    assert default_backend([Host("a", 2), Host("b", 2)], False, "/usr/bin/mpirun") == "gloo"
+    assert default_backend(one, True, "/usr/bin/mpirun") == "srun"
