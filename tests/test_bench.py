@@ -90,9 +90,10 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
     args = parse_args(["--np", "2", "--rounds", "2"])
     runs = plan_runs(args)
     main = [r for r in runs if r.group == "main"]
-    assert len(main) == 2 * (1 + 3 + 3 + 2)  # keras; hvdtrain, baseline x (1, gloo, mpi); mwms
+    assert len(main) == 2 * (1 + 2 + 2 + 2)  # -np 1 shared; hvdtrain, baseline x 2; mwms x 2
     assert {(r.variant, r.np, r.backend) for r in main} >= {
-        ("hvdtrain", 1, None),
+        ("keras,hvdtrain,baseline", 1, None),
+        ("mwms", 1, None),
         ("hvdtrain", 2, "gloo"),
         ("hvdtrain", 2, "mpi"),
         ("baseline", 2, "mpi"),

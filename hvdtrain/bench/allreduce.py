@@ -5,9 +5,10 @@
 For each message size (bytes of float32), rank 0 reports the median time of a Horovod
 allreduce (sum) through its TensorFlow op, after `hvdtrain.init()`, so with hvdtrain's
 settings and Horovod's whole path (queue, cycle, fusion buffer copies, the collective); under
-MPI (`--raw-mpi`) also the bare `MPI_Allreduce` of the same buffer through mpi4py, which is
-the transport's own limit. Bandwidths follow nccl-tests: algbw = bytes / time and
-busbw = algbw x 2(n-1)/n, the bytes each rank's link carries in a ring allreduce.
+MPI (`--raw-mpi`) also the bare `MPI_Allreduce` of the same buffer through mpi4py, timed
+first, before Horovod starts: the transport's own limit. Bandwidths follow nccl-tests:
+algbw = bytes / time and busbw = algbw x 2(n-1)/n, the bytes each rank's link carries in a
+ring allreduce.
 
 Before the sweep rank 0 measures this machine's memory-copy bandwidth (bytes copied per
 second by one core, `numpy.copyto` of 64 MiB), the yardstick for a shared-memory transport.
@@ -49,6 +50,25 @@ def _iterations(nbytes):
     return max(10, min(200, int(64 * (1 << 20) / max(nbytes, 1)) // 4))
 
 
+def _raw_mpi(comm, sizes):
+    """{bytes: median seconds} of MPI_Allreduce (sum) of float32 buffers, through mpi4py."""
+    import numpy as np
+
+    out = {}
+    for nbytes in sizes:
+        buf = np.ones(max(1, nbytes // 4), np.float32)
+        res = np.empty_like(buf)
+        for _ in range(3):
+            comm.Allreduce(buf, res)
+        times = []
+        for _ in range(_iterations(nbytes)):
+            start = time.perf_counter()
+            comm.Allreduce(buf, res)
+            times.append(time.perf_counter() - start)
+        out[nbytes] = _median(times)
+    return out
+
+
 def main(argv=None):
     cores = _bind()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,12 +77,12 @@ def main(argv=None):
     p.add_argument("--raw-mpi", action="store_true", help="also time MPI_Allreduce (mpi4py)")
     p.add_argument("--label", default="")
     args = p.parse_args(argv)
-    comm = None
-    if args.raw_mpi:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    raw = {}
+    if args.raw_mpi:  # first, alone: Horovod's background thread would share the MPI library
         from mpi4py import MPI  # before Horovod, so mpi4py owns MPI_Init/Finalize
 
-        comm = MPI.COMM_WORLD
-    import numpy as np
+        raw = _raw_mpi(MPI.COMM_WORLD, sizes)
     import tensorflow as tf
 
     import hvdtrain
@@ -74,7 +94,7 @@ def main(argv=None):
     backend = "mpi" if hvd.mpi_enabled() else "gloo"
     memcpy = memcpy_bandwidth() if rank == 0 else None
     hvd.allreduce(tf.constant(0.0), name="sweep.barrier")
-    for nbytes in [int(s) for s in args.sizes.split(",")]:
+    for nbytes in sizes:
         tensor = tf.ones([max(1, nbytes // 4)], tf.float32)
         name = f"sweep.{nbytes}"
 
@@ -91,18 +111,6 @@ def main(argv=None):
             reduce(tensor).numpy()
             times.append(time.perf_counter() - start)
         seconds = _median(times)
-        raw = None
-        if comm is not None:
-            buf = np.ones(max(1, nbytes // 4), np.float32)
-            out = np.empty_like(buf)
-            for _ in range(3):
-                comm.Allreduce(buf, out)
-            raw_times = []
-            for _ in range(iters):
-                start = time.perf_counter()
-                comm.Allreduce(buf, out)
-                raw_times.append(time.perf_counter() - start)
-            raw = _median(raw_times)
         if rank == 0:
             algbw, busbw = bus_bandwidth(nbytes, seconds, size)
             result = {
@@ -118,9 +126,9 @@ def main(argv=None):
                 "memcpy_bytes_per_sec": memcpy,
                 "cores": cores,
             }
-            if raw is not None:
-                result["raw_mpi_seconds"] = raw
-                result["raw_mpi_busbw"] = bus_bandwidth(nbytes, raw, size)[1]
+            if nbytes in raw:
+                result["raw_mpi_seconds"] = raw[nbytes]
+                result["raw_mpi_busbw"] = bus_bandwidth(nbytes, raw[nbytes], size)[1]
             print(MARKER + json.dumps(result), flush=True)
     return 0
 

@@ -38,6 +38,7 @@ QUICK_STEPS = "mlp=32,convnet=4"
 # batch 64 (the communication-bound case) unless it says otherwise. Fields: knob, setting,
 # np (0 = N), backend, env, worker args, model.
 _SPE, _CYCLE = tuning.STEPS_PER_EXECUTION, f"{tuning.CYCLE_TIME_MS:g}"
+_THREAD_DEFAULT = {"HVDTRAIN_HOROVOD_THREAD": "idle"}  # on CPU-only hosts
 TUNING = (
     *[
         ("steps_per_execution", str(k), np, backend, {}, ("--steps-per-execution", str(k)), "mlp")
@@ -45,20 +46,30 @@ TUNING = (
         for k in sorted({1, 4, _SPE, 64})
     ],
     *[
-        ("HOROVOD_CYCLE_TIME (ms)", ms, 0, "mpi", {"HOROVOD_CYCLE_TIME": ms}, (), "mlp")
-        for ms in sorted({"1", "0.5", "0.2", _CYCLE, "0.05"}, key=float, reverse=True)
-    ],
-    *[
-        ("HOROVOD_CYCLE_TIME (ms)", ms, 0, "mpi", {"HOROVOD_CYCLE_TIME": ms}, (), "convnet")
-        for ms in sorted({"1", _CYCLE}, key=float, reverse=True)
+        ("HOROVOD_CYCLE_TIME (ms)", ms, 0, "mpi", {"HOROVOD_CYCLE_TIME": ms}, (), model)
+        for model, values in (
+            ("mlp", {"1", "0.5", "0.2", _CYCLE, "0.05"}),
+            ("convnet", {"1", _CYCLE, "0.05"}),
+        )
+        for ms in sorted(values, key=float, reverse=True)
     ],
     *[
         ("HOROVOD_CYCLE_TIME (ms)", ms, 0, "gloo", {"HOROVOD_CYCLE_TIME": ms}, (), "mlp")
         for ms in sorted({"1", _CYCLE}, key=float, reverse=True)
     ],
     *[
+        ("HOROVOD_CYCLE_TIME at -np 1 (ms)", ms, 1, None, env, (), model)
+        for model in ("mlp", "convnet")
+        for ms, env in (("1 (Horovod's)", {}), (_CYCLE, {"HOROVOD_CYCLE_TIME": _CYCLE}))
+    ],
+    *[
+        ("Horovod background threads", policy, 0, "mpi", {"HVDTRAIN_HOROVOD_THREAD": policy}, (), m)
+        for m in ("mlp", "convnet")
+        for policy in ("normal", "idle")
+    ],
+    *[
         ("OMPI_MCA_mpi_yield_when_idle", v, 0, "mpi", {"OMPI_MCA_mpi_yield_when_idle": v}, (), m)
-        for m in ("mlp",)
+        for m in ("mlp", "convnet")
         for v in ("0", "1")
     ],
     ("process binding", "none (OS scheduler)", 0, "mpi", {"HVDBENCH_BIND": "none"}, (), "mlp"),
@@ -69,6 +80,8 @@ TUNING = (
 TUNING_DEFAULTS = {
     "steps_per_execution": str(_SPE),
     "HOROVOD_CYCLE_TIME (ms)": _CYCLE,
+    "HOROVOD_CYCLE_TIME at -np 1 (ms)": "1 (Horovod's)",
+    "Horovod background threads": "idle",
     "OMPI_MCA_mpi_yield_when_idle": "1",
     "process binding": "one core per rank",
     "intra-op threads per rank": "1 (cores / ranks)",
@@ -172,18 +185,22 @@ def plan_runs(args):
     runs = []
     for r in range(args.rounds):
         suffix = f"-r{r + 1}" if args.rounds > 1 else ""
+        common = _worker_args(args)
+        # At -np 1 Keras, hvdtrain and the baseline share one process (one start-up): there
+        # is nothing to communicate, so what one of them sets cannot favour another.
+        single = [v for v in args.variants if v != "mwms"]
+        if single:
+            runs.append(Run(f"np1-{'-'.join(single)}{suffix}", ",".join(single), 1, None, common))
         for variant in args.variants:
-            common = _worker_args(args)
             if variant == "keras":
-                runs.append(Run(f"keras-np1{suffix}", "keras", 1, None, common))
                 continue
-            runs.append(Run(f"{variant}-np1{suffix}", variant, 1, None, common))
+            if variant == "mwms":
+                runs.append(Run(f"mwms-np1{suffix}", "mwms", 1, None, common))
             backends = ["tfconfig"] if variant == "mwms" else args.backends
             for backend in backends:
                 name = f"{variant}-np{args.np}-{backend}{suffix}"
-                runs.append(
-                    Run(name, variant, args.np, None if variant == "mwms" else backend, common)
-                )
+                backend = None if variant == "mwms" else backend
+                runs.append(Run(name, variant, args.np, backend, common))
     if args.tuning:
         planned = {}  # one job per distinct configuration; knobs that share it are tagged
         for knob, setting, np, backend, env, extra, model in TUNING:
@@ -191,7 +208,8 @@ def plan_runs(args):
                 continue
             n = np or args.np
             # Setting a knob to hvdtrain's default is the default configuration: one job.
-            env = {k: v for k, v in env.items() if tuning.horovod_settings({}).get(k) != v}
+            defaults = {**tuning.horovod_settings({"HOROVOD_SIZE": str(n)}), **_THREAD_DEFAULT}
+            env = {k: v for k, v in env.items() if defaults.get(k) != v}
             if extra == ("--steps-per-execution", str(_SPE)):
                 extra = ()
             key = (n, backend, tuple(sorted(env.items())), extra, model)
@@ -224,8 +242,12 @@ def plan_runs(args):
             )
     if args.profile:
         # Horovod timelines of the MLP at batch 64: hvdtrain's defaults, and Horovod's own
-        # (1 ms cycle, spinning MPI waits) on the same path.
-        horovod = {"HOROVOD_CYCLE_TIME": "1", "OMPI_MCA_mpi_yield_when_idle": "0"}
+        # (1 ms cycle, spinning MPI waits, normal threads) on the same path.
+        horovod = {
+            "HOROVOD_CYCLE_TIME": "1",
+            "OMPI_MCA_mpi_yield_when_idle": "0",
+            "HVDTRAIN_HOROVOD_THREAD": "normal",
+        }
         for backend in args.backends:
             for what, env in (("hvdtrain", {}), ("horovod-defaults", horovod)):
                 name = f"profile-{what}-np{args.np}-{backend}"

@@ -201,7 +201,7 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     `quiet_below` cores, when there are `min_quiet` such windows; otherwise it stays the
     median over all windows and `noisy` is set. Both medians are kept.
     """
-    key = "/".join(str(result[k]) for k in ("model", "batch_size", "label"))
+    key = "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
     ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") == key}
     walls = result.get("window_seconds") or []
     busy = result.get("machine_busy_seconds") or []

@@ -74,7 +74,7 @@ def _bind():
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
-    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--variant", required=True, help=f"one of {VARIANTS}, or several at -np 1")
     p.add_argument("--models", default="mlp", help="comma-separated: mlp, convnet")
     p.add_argument("--batch-sizes", default="64", help="comma-separated per-rank batch sizes")
     p.add_argument("--steps", default="mlp=256,convnet=16", help="steps per window, per model")
@@ -233,73 +233,91 @@ def _median(values):
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def main(argv=None):
-    cores = _bind()  # before TensorFlow creates a thread
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = _parse(argv)
+def _init(variants):
+    """Starts what the variants need; returns (rank, size, backend, strategy)."""
     import tensorflow as tf
 
-    rank, size, strategy, backend = 0, 1, None, None
-    if args.variant == "hvdtrain":
-        import horovod.tensorflow as hvd
-
+    if "mwms" in variants:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        size = strategy.num_replicas_in_sync
+        return strategy.cluster_resolver.task_id or 0, size, "grpc" if size > 1 else None, strategy
+    if "hvdtrain" in variants:
         import hvdtrain
 
-        hvdtrain.init(threads=args.threads)
-        rank, size = hvd.rank(), hvd.size()
-        backend = "mpi" if hvd.mpi_enabled() and size > 1 else ("gloo" if size > 1 else None)
-    elif args.variant == "baseline":
+        hvdtrain.init(threads=_ARGS.threads)
+    if "baseline" in variants:
         import horovod.tensorflow.keras as hvd
 
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        backend = "mpi" if hvd.mpi_enabled() and size > 1 else ("gloo" if size > 1 else None)
-    elif args.variant == "mwms":
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        resolver = strategy.cluster_resolver
-        rank, size = resolver.task_id or 0, strategy.num_replicas_in_sync
-        backend = "grpc" if size > 1 else None
+        hvd.init()  # as Horovod's example; a no-op after hvdtrain.init in the same process
+        gpus = tf.config.experimental.list_physical_devices("GPU")
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if gpus:
+            tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    if "hvdtrain" in variants or "baseline" in variants:
+        import horovod.tensorflow as hvd
 
+        size = hvd.size()
+        backend = ("mpi" if hvd.mpi_enabled() else "gloo") if size > 1 else None
+        return hvd.rank(), size, backend, None
+    return 0, 1, None, None
+
+
+_ARGS = None
+
+
+def main(argv=None):
+    global _ARGS
+    cores = _bind()  # before TensorFlow creates a thread
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = _ARGS = _parse(argv)
+    variants = args.variant.split(",")
+    if "mwms" in variants and "TF_CONFIG" in os.environ:  # one GPU per worker, if any
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(local_rank_from_env()))
+    import tensorflow as tf
+
+    rank, size, backend, strategy = _init(variants)
+    if len(variants) > 1 and (size > 1 or strategy is not None):
+        raise SystemExit("several variants share a process only at -np 1, without mwms")
     x, y = synthetic_data(args.samples)
-    for model_name in args.models.split(","):
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            steps = _steps_for(args.steps, model_name)
-            if args.variant == "keras":  # plain, then with hvdtrain's compile options
-                from hvdtrain.tuning import compile_options
+    for variant in variants:
+        for model_name in args.models.split(","):
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                steps = _steps_for(args.steps, model_name)
+                runs = [(args.label, None)]
+                if variant == "keras":  # plain, then with hvdtrain's compile options
+                    from hvdtrain.tuning import compile_options
 
-                same = compile_options(steps)
-                if args.steps_per_execution:
-                    same["steps_per_execution"] = args.steps_per_execution
-                keras_runs = [("plain", {}), ("same compile options", same)]
-            else:
-                keras_runs = [(args.label, None)]
-            for label, keras_options in keras_runs:
-                start = time.perf_counter()
-                if args.variant == "hvdtrain":
-                    windows, options, params = _run_hvdtrain(args, model_name, batch, steps, x, y)
-                elif args.variant == "baseline":
-                    windows, options, params = _run_baseline(args, model_name, batch, steps, x, y)
-                elif args.variant == "mwms":
-                    windows, options, params = _run_mwms(
-                        args, model_name, batch, steps, x, y, strategy
+                    same = compile_options(steps)
+                    if args.steps_per_execution:
+                        same["steps_per_execution"] = args.steps_per_execution
+                    runs = [("plain", {}), ("same compile options", same)]
+                for label, keras_options in runs:
+                    start = time.perf_counter()
+                    if variant == "hvdtrain":
+                        out = _run_hvdtrain(args, model_name, batch, steps, x, y)
+                    elif variant == "baseline":
+                        out = _run_baseline(args, model_name, batch, steps, x, y)
+                    elif variant == "mwms":
+                        out = _run_mwms(args, model_name, batch, steps, x, y, strategy)
+                    else:
+                        out = _run_keras(args, model_name, batch, steps, x, y, keras_options)
+                    windows, options, params = out
+                    tf.keras.backend.clear_session()
+                    result = _result(
+                        variant, label, size, backend, model_name, batch, steps, windows
                     )
-                else:
-                    windows, options, params = _run_keras(
-                        args, model_name, batch, steps, x, y, keras_options
+                    result.update(
+                        compile_options={k: v for k, v in options.items() if isinstance(v, int)},
+                        params=params,
+                        cores=cores,
+                        seconds=round(time.perf_counter() - start, 2),
                     )
-                tf.keras.backend.clear_session()
-                result = _result(args, label, size, backend, model_name, batch, steps, windows)
-                result.update(
-                    compile_options={k: v for k, v in options.items() if isinstance(v, int)},
-                    params=params,
-                    cores=cores,
-                    seconds=round(time.perf_counter() - start, 2),
-                )
-                if rank == 0:
-                    print(MARKER + json.dumps(result), flush=True)
-                cpu = [round(w[1], 3) for w in windows[1:]]
-                line = {"rank": rank, "key": _key(result), "cpu": cpu}
-                print(CPU_MARKER + json.dumps(line), flush=True)
+                    if rank == 0:
+                        print(MARKER + json.dumps(result), flush=True)
+                    cpu = [round(w[1], 3) for w in windows[1:]]
+                    line = {"rank": rank, "key": _key(result), "cpu": cpu}
+                    print(CPU_MARKER + json.dumps(line), flush=True)
     if strategy is not None and size > 1:
         # Every figure is out; MultiWorkerMirrored's gRPC teardown takes 10 s or more.
         sys.stdout.flush()
@@ -309,16 +327,16 @@ def main(argv=None):
 
 def _key(result):
     """What identifies one measurement across the ranks' lines."""
-    return "/".join(str(result[k]) for k in ("model", "batch_size", "label"))
+    return "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
 
 
-def _result(args, label, size, backend, model_name, batch, steps, windows):
+def _result(variant, label, size, backend, model_name, batch, steps, windows):
     import tensorflow as tf
 
     timed = [w[0] for w in windows[1:]]
     seconds = _median(timed)
     return {
-        "variant": args.variant,
+        "variant": variant,
         "label": label,
         "np": size,
         "backend": backend,
