@@ -191,6 +191,43 @@ def _stream(proc, log_file, on_result, results, cpu_lines):
             cpu_lines.append(usage)
 
 
+def read_log(path):
+    """The results in a job's log file, each with its ranks' CPU use (`attach_usage`)."""
+    results, cpu_lines = [], []
+    with open(path, errors="replace") as f:
+        for line in f:
+            result = _parse(line, MARKER)
+            if result is not None:
+                results.append(result)
+            usage = _parse(line, CPU_MARKER)
+            if usage is not None:
+                cpu_lines.append(usage)
+    seen = {}  # (key, rank) -> lines used: the n-th result of a key gets its n-th lines
+    for result in results:
+        if "window_seconds" not in result:
+            continue
+        mine = []
+        for key in _keys(result):
+            n = seen.get(key, 0)
+            by_rank = {}
+            for c in cpu_lines:
+                if c.get("key") == key:
+                    by_rank.setdefault(c["rank"], []).append(c)
+            mine = [v[n] for v in by_rank.values() if n < len(v)]
+            if mine:
+                seen[key] = n + 1
+                break
+        attach_usage(result, mine)
+    return results
+
+
+def _keys(result):
+    """How the ranks' CPU lines name `result`: variant/model/batch/label (older logs lack
+    the variant)."""
+    key = "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
+    return [key, key.split("/", 1)[1]]
+
+
 def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     """Adds to a worker's `result` how busy the machine was in each window, and bases its
     figure on the quiet windows.
@@ -201,8 +238,8 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     `quiet_below` cores, when there are `min_quiet` such windows; otherwise it stays the
     median over all windows and `noisy` is set. Both medians are kept.
     """
-    key = "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
-    ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") == key}
+    keys = _keys(result)
+    ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") in keys}
     walls = result.get("window_seconds") or []
     busy = result.get("machine_busy_seconds") or []
     result["rank_cpu_seconds"] = {str(r): v for r, v in sorted(ranks.items())}
@@ -278,9 +315,11 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
         codes = [h.wait() for h in handles]
         for t in readers:
             t.join(timeout=5)
+    # The log file holds every line: read the figures back from it, so that no line a
+    # reader thread had not handed over yet is missing.
+    results = read_log(path) or results
     for result in results:
         if "window_seconds" in result:
-            attach_usage(result, cpu_lines)
             on_result(result, final=True)
     return {
         "name": run.name,
