@@ -147,8 +147,8 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     Performance defaults (`hvdtrain.tuning`, measured by `python -m hvdtrain.bench`):
     before `hvd.init()`, where the environment does not set them, a 0.1 ms Horovod cycle
     (with more than one rank) and MPI waits that yield the core; after it, on CPU-only
-    hosts, Horovod's background threads are scheduled SCHED_IDLE, so they run while the
-    compute waits for them and never take its core.
+    hosts, Horovod's background threads are scheduled SCHED_BATCH, so they do not preempt
+    the compute at every wake-up.
 
     Args:
         threads: intra-op threads per rank; by default the host's cores / local ranks.
@@ -188,8 +188,9 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     except RuntimeError:  # TensorFlow already started (a second init in one process)
         pass
     gpus = tf.config.list_physical_devices("GPU")
-    if tuning.background_policy(os.environ, bool(gpus)) == "idle":
-        tuning.set_idle(horovod_threads)  # they run when the compute waits; see hvdtrain.tuning
+    policy = tuning.background_policy(os.environ, bool(gpus))
+    if policy != "normal":
+        tuning.set_policy(horovod_threads, policy)  # see hvdtrain.tuning
     if not pin_gpu:
         return None
     index = gpu_for_local_rank(hvd.local_rank(), len(gpus), hvd.local_size())

@@ -7,6 +7,7 @@ import pytest
 from conftest import run_job
 
 from hvdtrain import tuning
+from hvdtrain.errors import HvdtrainError
 
 
 def test_compile_options_several_steps_per_call_at_most_an_epoch():
@@ -36,15 +37,18 @@ def test_horovod_settings_only_where_the_user_set_nothing(environ, expected):
     assert tuning.horovod_settings(environ) == expected
 
 
-def test_background_threads_idle_on_cpu_hosts_only():
-    assert tuning.background_policy({}, has_gpu=False) == "idle"
+def test_background_threads_batch_on_cpu_hosts_only():
+    assert tuning.background_policy({}, has_gpu=False) == "batch"
     assert tuning.background_policy({}, has_gpu=True) == "normal"
     assert tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "normal"}, False) == "normal"
     assert tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "IDLE"}, True) == "idle"
+    assert tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "batch"}, False) == "batch"
+    with pytest.raises(HvdtrainError, match="HVDTRAIN_HOROVOD_THREAD`: received 'fast'"):
+        tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "fast"}, False)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
-def test_set_idle_changes_only_the_threads_given():
+def test_set_policy_changes_only_the_threads_given():
     import threading
 
     ready, stop = threading.Event(), threading.Event()
@@ -60,10 +64,12 @@ def test_set_idle_changes_only_the_threads_given():
     ready.wait(10)
     try:
         assert tids[0] in tuning.thread_ids()
-        assert tuning.set_idle(tids) == tids
+        assert tuning.set_policy(tids, "idle") == tids
         assert os.sched_getscheduler(tids[0]) == os.SCHED_IDLE
         assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
-        assert tuning.set_idle([2**22 + 12345]) == []  # no such thread: nothing, no error
+        assert tuning.set_policy(tids, "batch") == tids
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_BATCH
+        assert tuning.set_policy([2**22 + 12345], "idle") == []  # no such thread: no error
     finally:
         stop.set()
         t.join()
@@ -74,10 +80,11 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     script.write_text(
         "import os, hvdtrain, horovod.tensorflow as hvd\n"
         "hvdtrain.init()\n"
-        "idle = sum(os.sched_getscheduler(int(t)) == os.SCHED_IDLE\n"
+        "batch = sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH\n"
         "           for t in os.listdir('/proc/self/task'))\n"
-        "print('rank', hvd.rank(), os.environ.get('HOROVOD_CYCLE_TIME'),\n"
-        "      os.environ['OMPI_MCA_mpi_yield_when_idle'], idle > 0)\n"
+        "line = f\"rank {hvd.rank()} {os.environ.get('HOROVOD_CYCLE_TIME')} \"\n"
+        "line += f\"{os.environ['OMPI_MCA_mpi_yield_when_idle']} {batch > 0}\\n\"\n"
+        "os.write(1, line.encode())  # one write: mpirun tags each write of a rank\n"
     )
     out = run_job(2, "mpi", [str(script)]).stdout
     assert out.count("0.1 1 True") == 2, out

@@ -38,7 +38,7 @@ QUICK_STEPS = "mlp=32,convnet=4"
 # batch 64 (the communication-bound case) unless it says otherwise. Fields: knob, setting,
 # np (0 = N), backend, env, worker args, model.
 _SPE, _CYCLE = tuning.STEPS_PER_EXECUTION, f"{tuning.CYCLE_TIME_MS:g}"
-_THREAD_DEFAULT = {"HVDTRAIN_HOROVOD_THREAD": "idle"}  # on CPU-only hosts
+_THREAD_DEFAULT = {"HVDTRAIN_HOROVOD_THREAD": "batch"}  # on CPU-only hosts
 TUNING = (
     *[
         ("steps_per_execution", str(k), np, backend, {}, ("--steps-per-execution", str(k)), "mlp")
@@ -63,9 +63,10 @@ TUNING = (
         for ms, env in (("1 (Horovod's)", {}), (_CYCLE, {"HOROVOD_CYCLE_TIME": _CYCLE}))
     ],
     *[
-        ("Horovod background threads", policy, 0, "mpi", {"HVDTRAIN_HOROVOD_THREAD": policy}, (), m)
+        ("Horovod background threads", p, 0, backend, {"HVDTRAIN_HOROVOD_THREAD": p}, (), m)
+        for backend in ("gloo", "mpi")
         for m in ("mlp", "convnet")
-        for policy in ("normal", "idle")
+        for p in ("normal", "batch", "idle")
     ],
     *[
         ("OMPI_MCA_mpi_yield_when_idle", v, 0, "mpi", {"OMPI_MCA_mpi_yield_when_idle": v}, (), m)
@@ -81,7 +82,7 @@ TUNING_DEFAULTS = {
     "steps_per_execution": str(_SPE),
     "HOROVOD_CYCLE_TIME (ms)": _CYCLE,
     "HOROVOD_CYCLE_TIME at -np 1 (ms)": "1 (Horovod's)",
-    "Horovod background threads": "idle",
+    "Horovod background threads": "batch",
     "OMPI_MCA_mpi_yield_when_idle": "1",
     "process binding": "one core per rank",
     "intra-op threads per rank": "1 (cores / ranks)",
