@@ -100,6 +100,8 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
         ("mwms", 2, None),
     }
     assert "mlp,convnet" in main[0].args and "32,64,128" in main[0].args
+    singles = [r.variant for r in main if r.np == 1 and r.variant != "mwms"]
+    assert singles == ["keras,hvdtrain,baseline", "baseline,hvdtrain,keras"]  # none always first
     assert [r.group for r in runs].count("sweep") == 2
     assert any(r.group == "tuning" for r in runs)
     assert len({r.name for r in runs}) == len(runs)

@@ -190,6 +190,8 @@ def plan_runs(args):
         # At -np 1 Keras, hvdtrain and the baseline share one process (one start-up): there
         # is nothing to communicate, so what one of them sets cannot favour another.
         single = [v for v in args.variants if v != "mwms"]
+        if r % 2:  # every other round in reverse order: no variant always goes first
+            single.reverse()
         if single:
             runs.append(Run(f"np1-{'-'.join(single)}{suffix}", ",".join(single), 1, None, common))
         for variant in args.variants:

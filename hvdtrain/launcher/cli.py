@@ -106,7 +106,11 @@ def _build_parser():
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the command to stderr")
     tune = p.add_argument_group("Horovod settings (horovodrun flags, or HOROVOD_* variables)")
     tune.add_argument("--fusion-threshold-mb", metavar="MB", help="fusion buffer (default 128)")
-    tune.add_argument("--cycle-time-ms", metavar="MS", help="fusion cycle (default 1)")
+    tune.add_argument(
+        "--cycle-time-ms",
+        metavar="MS",
+        help="fusion cycle (default 0.1 under hvdtrain.init with several ranks, else 1)",
+    )
     tune.add_argument("--timeline-filename", metavar="FILE", help="write a Horovod timeline")
     tune.add_argument("--stall-check-warning-time-seconds", metavar="S", help="default 60")
     tune.add_argument(
