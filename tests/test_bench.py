@@ -78,8 +78,12 @@ def test_quick_run_writes_json_markdown_and_png(quick):
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
         assert (r["backend"] == "mpi") == ("raw_mpi_seconds" in r)
     assert data["projection"]["rows"] and data["projection"]["paper_check"]
+    [ceiling] = data["ceiling"]  # n unconnected one-core runs side by side, against one alone
+    assert (ceiling["model"], ceiling["batch_size"], ceiling["np"]) == ("mlp", 64, n)
+    assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0
+    assert data["targets"][0]["machine_ceiling"] == ceiling["ceiling"]
     md = (out / "bench.md").read_text()
-    for heading in ("## Throughput", "## Targets", "## Allreduce sweep", "## Projection"):
+    for heading in ("## Throughput", "## Targets", "ceiling", "## Allreduce", "## Projection"):
         assert heading in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -146,6 +150,9 @@ def test_launch_commands_per_variant():
     }
     [(argv, _)] = launch(Run("e", "allreduce", 2, "gloo", ("--sizes", "4096")), py, env, 1000)
     assert "hvdtrain.bench.allreduce" in argv and "--variant" not in argv
+    procs = launch(Run("f", "hvdtrain", 2, "independent", ("--models", "mlp")), py, env, 1000)
+    assert [p[0][:3] for p in procs] == [[py, "-m", "hvdtrain.bench.workers"]] * 2  # no launcher
+    assert [p[1] for p in procs] == [{"HVDBENCH_LOCAL_RANK": "0"}, {"HVDBENCH_LOCAL_RANK": "1"}]
 
 
 def test_each_rank_gets_its_own_cores():

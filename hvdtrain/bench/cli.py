@@ -16,7 +16,7 @@ import time
 from hvdtrain import tuning
 from hvdtrain.bench import project as project_mod
 from hvdtrain.bench import report
-from hvdtrain.bench.runner import Run, execute, quiet_wait
+from hvdtrain.bench.runner import INDEPENDENT, Run, execute, quiet_wait
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 
 __all__ = ["main", "parse_args", "plan_runs", "TUNING", "SWEEP_SIZES", "QUICK_SWEEP_SIZES"]
@@ -84,7 +84,9 @@ TUNING_DEFAULTS = {
     "HOROVOD_CYCLE_TIME at -np 1 (ms)": "1 (Horovod's)",
     "Horovod background threads": "batch",
     "OMPI_MCA_mpi_yield_when_idle": "1",
-    "process binding": "one core per rank",
+    # hvdtrain binds nothing (mpirun's -bind-to none); the benchmark's main jobs bind one
+    # core per rank to hold every variant to the same thread budget.
+    "process binding": "none (OS scheduler)",
     "intra-op threads per rank": "1 (cores / ranks)",
 }
 
@@ -204,6 +206,9 @@ def plan_runs(args):
                 name = f"{variant}-np{args.np}-{backend}{suffix}"
                 backend = None if variant == "mwms" else backend
                 runs.append(Run(name, variant, args.np, backend, common))
+            if variant == "hvdtrain":  # the same N cores busy with no communication at all
+                name = f"ceiling-np{args.np}{suffix}"
+                runs.append(Run(name, variant, args.np, INDEPENDENT, common, group="ceiling"))
     if args.tuning:
         planned = {}  # one job per distinct configuration; knobs that share it are tagged
         for knob, setting, np, backend, env, extra, model in TUNING:

@@ -137,7 +137,7 @@ def _sps(fig):
     return fig["samples_per_sec"] if fig else None
 
 
-def _targets(rows, default_backend):
+def _targets(rows, default_backend, ceiling=()):
     out = []
     for name, model, what, threshold in TARGETS:
         at = [r for r in rows if r["model"] == model and r["batch_size"] == TARGET_BATCH]
@@ -149,6 +149,13 @@ def _targets(rows, default_backend):
             key = "hvdtrain_efficiency" if what == "efficiency" else what
             value = row[key] if row else None
             where = f"batch {TARGET_BATCH}, {row['backend']}" if row else ""
+        limit = None
+        if what == "efficiency":
+            limit = next(
+                (c["ceiling"] for c in ceiling
+                 if c["model"] == model and c["batch_size"] == TARGET_BATCH),
+                None,
+            )  # fmt: skip
         out.append(
             {
                 "target": name,
@@ -156,9 +163,42 @@ def _targets(rows, default_backend):
                 "value": value,
                 "where": where,
                 "met": None if value is None else value >= threshold,
+                "machine_ceiling": limit,
             }
         )
     return out
+
+
+def _ceiling(records, figures, n):
+    """The machine's own limit on scaling efficiency, per model and batch: N unconnected
+    one-core runs side by side (each process's samples/s, median over its windows, then
+    the mean over processes and the median over rounds) against hvdtrain at -np 1 alone.
+    Shared caches, memory bandwidth and the hypervisor slow each core down when all are
+    busy: no data-parallel software can scale better than this here."""
+    groups = {}
+    for rec in records:
+        if rec["group"] == "ceiling" and rec["results"]:
+            by_key = {}
+            for r in rec["results"]:
+                by_key.setdefault((r["model"], r["batch_size"]), []).append(r["samples_per_sec"])
+            for key, values in by_key.items():
+                groups.setdefault(key, []).append(sum(values) / len(values))
+    rows = []
+    for (model, batch), per_round in sorted(groups.items()):
+        alone = _get(figures, "hvdtrain", 1, model, batch)
+        side = _median(per_round)
+        rows.append(
+            {
+                "model": model,
+                "batch_size": batch,
+                "np": n,
+                "alone": _sps(alone),
+                "side_by_side": side,
+                "rounds": per_round,
+                "ceiling": side / alone["samples_per_sec"] if alone else None,
+            }
+        )
+    return rows
 
 
 def _tuning(records, defaults):
@@ -260,11 +300,13 @@ def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_
     figures = _figures(records)
     rows = _comparison(figures, n)
     sweep = _sweep(records)
+    ceiling = _ceiling(records, figures, n)
     return {
         "default_backend": default_backend,
         "figures": figures,
         "comparison": rows,
-        "targets": _targets(rows, default_backend),
+        "ceiling": ceiling,
+        "targets": _targets(rows, default_backend, ceiling),
         "tuning": _tuning(records, tuning_defaults or {}),
         "allreduce": sweep,
         "profile": _profiles(records, figures, sweep, gradient_bytes),
@@ -344,15 +386,33 @@ def markdown(data):
         f"## Targets (-np {n}, per-rank batch {TARGET_BATCH}, hvdtrain on "
         f"{data['default_backend']}, the hvdtrain-run default on one host)",
         "",
-        "| target | measured | needed | met |",
-        "| --- | --- | --- | --- |",
+        "| target | measured | needed | met | this machine's ceiling |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for t in data["targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(
             f"| {t['target']} | {_fmt(t['value'], '.2f')} ({t['where']}) | "
-            f">= {t['threshold']:g} | {met} |"
+            f">= {t['threshold']:g} | {met} | {_fmt(t.get('machine_ceiling'), '.2f', '')} |"
         )
+    if data.get("ceiling"):
+        lines += [
+            "",
+            f"## This machine's ceiling: {n} unconnected one-core runs side by side",
+            "",
+            f"hvdtrain at -np 1 alone against {n} copies of it started at once, each on its "
+            "own core, with nothing to exchange (samples/s per process). With every core "
+            "busy, shared caches, memory bandwidth and the hypervisor slow each one down: no "
+            "data-parallel software reaches a higher scaling efficiency on this machine.",
+            "",
+            "| model | batch | alone | side by side (each) | ceiling |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for c in data["ceiling"]:
+            lines.append(
+                f"| {c['model']} | {c['batch_size']} | {_fmt(c['alone'])} | "
+                f"{_fmt(c['side_by_side'])} | {_fmt(c['ceiling'], '.2f')} |"
+            )
     if data["tuning"]:
         lines += [
             "",

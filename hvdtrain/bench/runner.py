@@ -11,6 +11,8 @@ Launch per variant (all on localhost, one core per rank by default):
   so changes to the launcher's defaults show up here;
 - baseline: `horovodrun -np N -H localhost:N [--gloo|--mpi] python ...`, as Horovod's docs;
 - mwms: N plain processes, each with its TF_CONFIG (free localhost ports);
+- the machine's ceiling (backend `independent`): N plain processes of one rank each, side
+  by side on their own cores, with nothing to exchange;
 - keras: one plain process.
 """
 
@@ -43,6 +45,7 @@ __all__ = [
 _DECODER = json.JSONDecoder()
 # A window counts as quiet when other processes took less than this many cores in it.
 QUIET_BELOW = 0.15
+INDEPENDENT = "independent"  # the backend of the ceiling runs: no launcher, no communication
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -54,10 +57,11 @@ class Run:
         name: unique, for logs and progress.
         variant: hvdtrain, baseline, mwms, keras, or allreduce (the sweep).
         np: processes.
-        backend: gloo or mpi for np > 1 (Horovod variants); None otherwise.
+        backend: gloo or mpi for np > 1 (Horovod variants); `INDEPENDENT` for np
+            unconnected processes side by side; None otherwise.
         args: the worker's own arguments.
         env: variables set for this run only (e.g. a Horovod setting under test).
-        group: what the run is for: "main", "tuning" or "sweep".
+        group: what the run is for: "main", "ceiling", "tuning", "sweep" or "profile".
         tags: for tuning runs, the (knob, setting) pairs this configuration stands for.
     """
 
@@ -112,6 +116,8 @@ def launch(run, python, environ, uid, ports=None):
     bindir = os.path.dirname(python)
     if run.np == 1 and run.variant != "mwms":
         return [(command, {"HVDBENCH_LOCAL_RANK": "0"})]
+    if run.backend == INDEPENDENT:  # N single-process jobs at once, each on its own core
+        return [(command, {"HVDBENCH_LOCAL_RANK": str(i)}) for i in range(run.np)]
     if run.variant == "mwms":
         ports = ports or free_ports(run.np)
         return [
