@@ -238,3 +238,37 @@ def test_summary_efficiency_ratios_and_targets():
         "projection": {"rows": [], "paper_check": []},
     }
     assert "| mlp | 64 | mpi |" in markdown(data)
+
+
+def test_log_results_get_every_process_cpu_so_the_ceiling_is_not_noise(tmp_path):
+    from hvdtrain.bench.runner import read_log
+    from hvdtrain.bench.workers import CPU_MARKER, MARKER
+
+    def result(np):
+        return {
+            "variant": "hvdtrain", "label": "", "np": np, "model": "mlp", "batch_size": 64,
+            "steps": 100, "window_seconds": [1.0, 1.0, 1.0], "samples_per_sec": 1.0,
+            "machine_busy_seconds": [2.0, 2.0, 2.0],
+        }  # fmt: skip
+
+    def cpu(rank):
+        return {"rank": rank, "key": "hvdtrain/mlp/64/", "cpu": [1.0, 1.0, 1.0]}
+
+    # Two unconnected processes (np 1 each) on two busy cores: nobody else on the machine.
+    log = tmp_path / "ceiling.log"
+    lines = [MARKER + json.dumps(result(1)), CPU_MARKER + json.dumps(cpu(0))]
+    lines += [MARKER + json.dumps(result(1)), CPU_MARKER + json.dumps(cpu(1))]
+    log.write_text("\n".join(lines) + "\n")
+    results = read_log(log)
+    assert len(results) == 2
+    for r in results:
+        assert r["external_cores"] == [0.0, 0.0, 0.0] and not r["noisy"]
+        assert r["samples_per_sec"] == 64 * 100 / 1.0
+    # One 2-rank job whose ranks used 1.5 of the 2 busy cores: 0.5 core was someone else's.
+    log = tmp_path / "job.log"
+    busy = {**result(2), "machine_busy_seconds": [2.0, 2.0, 2.0]}
+    lines = [MARKER + json.dumps(busy)]
+    lines += [CPU_MARKER + json.dumps({**cpu(r), "cpu": [0.75] * 3}) for r in (0, 1)]
+    log.write_text("\n".join(lines) + "\n")
+    [r] = read_log(log)
+    assert r["external_cores"] == [0.5, 0.5, 0.5] and r["noisy"]

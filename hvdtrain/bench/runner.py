@@ -208,7 +208,7 @@ def read_log(path):
             usage = _parse(line, CPU_MARKER)
             if usage is not None:
                 cpu_lines.append(usage)
-    seen = {}  # (key, rank) -> lines used: the n-th result of a key gets its n-th lines
+    seen = {}  # key -> results seen: the n-th result of a key gets the n-th lines
     for result in results:
         if "window_seconds" not in result:
             continue
@@ -219,7 +219,9 @@ def read_log(path):
             for c in cpu_lines:
                 if c.get("key") == key:
                     by_rank.setdefault(c["rank"], []).append(c)
-            mine = [v[n] for v in by_rank.values() if n < len(v)]
+            # Unconnected processes (the ceiling) each print a result with one line each:
+            # every result of theirs gets all their lines.
+            mine = [v[min(n, len(v) - 1)] for v in by_rank.values()]
             if mine:
                 seen[key] = n + 1
                 break
@@ -238,8 +240,9 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     """Adds to a worker's `result` how busy the machine was in each window, and bases its
     figure on the quiet windows.
 
-    Per window: every rank's CPU seconds (`cpu_lines`, `@@hvdbench-cpu` lines) and the
-    machine's busy CPU seconds give the cores other processes took (`external_cores`).
+    Per window: every rank's CPU seconds (`cpu_lines`, `@@hvdbench-cpu` lines; all the
+    processes of the job) and the machine's busy CPU seconds give the cores other processes
+    took (`external_cores`).
     `samples_per_sec` becomes the median over the windows in which they took less than
     `quiet_below` cores, when there are `min_quiet` such windows; otherwise it stays the
     median over all windows and `noisy` is set. Both medians are kept.
@@ -252,7 +255,7 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     external = []
     for i, wall in enumerate(walls):
         ours = [v[i] for v in ranks.values() if i < len(v)]
-        if i >= len(busy) or busy[i] is None or len(ours) != result["np"] or wall <= 0:
+        if i >= len(busy) or busy[i] is None or len(ours) < result["np"] or wall <= 0:
             external.append(None)
         else:
             external.append(round(max(0.0, busy[i] - sum(ours)) / wall, 3))

@@ -316,7 +316,9 @@ def main(argv=None):
                     if rank == 0:
                         print(MARKER + json.dumps(result), flush=True)
                     cpu = [round(w[1], 3) for w in windows[1:]]
-                    line = {"rank": rank, "key": _key(result), "cpu": cpu}
+                    # Single processes started side by side (the ceiling) tell apart by core.
+                    who = rank if size > 1 else local_rank_from_env()
+                    line = {"rank": who, "key": _key(result), "cpu": cpu}
                     print(CPU_MARKER + json.dumps(line), flush=True)
     if strategy is not None and size > 1:
         # Every figure is out; MultiWorkerMirrored's gRPC teardown takes 10 s or more.
