@@ -1,6 +1,6 @@
 """A scaling benchmark: hvdtrain side by side with plain Horovod and MultiWorkerMirrored.
 
-    python -m hvdtrain.bench --out out/bench            # the full run (about 30 minutes)
+    python -m hvdtrain.bench --out out/bench            # the full run (about 20 minutes a round)
     python -m hvdtrain.bench --out out/bench --quick    # the smoke test (about a minute)
     python -m hvdtrain.bench --project                  # the GPU-cluster projection only
 
@@ -11,6 +11,8 @@ One run trains the same models on the same synthetic data, per-rank batch and co
 - the baseline recipe: a plain Horovod Keras script as Horovod's docs write it, no tuning;
 - `tf.distribute.MultiWorkerMirroredStrategy` with N local workers (TF_CONFIG);
 - plain Keras `fit` on one core (the reference for hvdtrain at -np 1);
+- this machine's ceiling: N copies of hvdtrain's one-core run side by side, unconnected
+  (no software can scale better than the cores slow each other down);
 
 on the MNIST MLP (784-256-256-10, communication-bound) and convnet (compute-bound) at
 per-rank batches 32, 64 and 128. Every process is bound to its own core before TensorFlow
