@@ -38,7 +38,8 @@ QUICK_STEPS = "mlp=32,convnet=4"
 # batch 64 (the communication-bound case) unless it says otherwise. Fields: knob, setting,
 # np (0 = N), backend, env, worker args, model.
 _SPE, _CYCLE = tuning.STEPS_PER_EXECUTION, f"{tuning.CYCLE_TIME_MS:g}"
-_THREAD_DEFAULT = {"HVDTRAIN_HOROVOD_THREAD": "batch"}  # on CPU-only hosts
+_THREAD = tuning.background_policy({}, has_gpu=False)  # this benchmark runs on CPU cores
+_THREAD_DEFAULT = {"HVDTRAIN_HOROVOD_THREAD": _THREAD}
 TUNING = (
     *[
         ("steps_per_execution", str(k), np, backend, {}, ("--steps-per-execution", str(k)), "mlp")
@@ -82,7 +83,7 @@ TUNING_DEFAULTS = {
     "steps_per_execution": str(_SPE),
     "HOROVOD_CYCLE_TIME (ms)": _CYCLE,
     "HOROVOD_CYCLE_TIME at -np 1 (ms)": "1 (Horovod's)",
-    "Horovod background threads": "batch",
+    "Horovod background threads": _THREAD,
     "OMPI_MCA_mpi_yield_when_idle": "1",
     # hvdtrain binds nothing (mpirun's -bind-to none); the benchmark's main jobs bind one
     # core per rank to hold every variant to the same thread budget.

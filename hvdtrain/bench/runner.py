@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hvdtrain.bench.workers import CPU_MARKER, MARKER
+from hvdtrain.bench.workers import CPU_MARKER, MARKER, result_key
 from hvdtrain.launcher.commands import LaunchConfig, build_command
 from hvdtrain.launcher.hosts import local_hosts
 
@@ -185,21 +185,17 @@ def _parse(line, marker):
         return None
 
 
-def _stream(proc, log_file, on_result, results, cpu_lines):
+def _stream(proc, log_file, on_result):
     for line in proc.stdout:
         log_file.write(line)
         result = _parse(line, MARKER)
         if result is not None:
-            results.append(result)
             on_result(result, final=False)
-        usage = _parse(line, CPU_MARKER)
-        if usage is not None:
-            cpu_lines.append(usage)
 
 
 def read_log(path):
     """The results in a job's log file, each with its ranks' CPU use (`attach_usage`)."""
-    results, cpu_lines = [], []
+    results, lines = [], {}  # lines: key -> rank -> that rank's CPU lines, in order
     with open(path, errors="replace") as f:
         for line in f:
             result = _parse(line, MARKER)
@@ -207,33 +203,19 @@ def read_log(path):
                 results.append(result)
             usage = _parse(line, CPU_MARKER)
             if usage is not None:
-                cpu_lines.append(usage)
+                lines.setdefault(usage.get("key"), {}).setdefault(usage["rank"], []).append(usage)
     seen = {}  # key -> results seen: the n-th result of a key gets the n-th lines
     for result in results:
-        if "window_seconds" not in result:
+        if "window_seconds" not in result:  # the allreduce sweep's lines
             continue
-        mine = []
-        for key in _keys(result):
-            n = seen.get(key, 0)
-            by_rank = {}
-            for c in cpu_lines:
-                if c.get("key") == key:
-                    by_rank.setdefault(c["rank"], []).append(c)
-            # Unconnected processes (the ceiling) each print a result with one line each:
-            # every result of theirs gets all their lines.
-            mine = [v[min(n, len(v) - 1)] for v in by_rank.values()]
-            if mine:
-                seen[key] = n + 1
-                break
-        attach_usage(result, mine)
+        key = result_key(result)
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        # Unconnected processes (the ceiling) each print a result and one line each: every
+        # result of theirs gets all their lines.
+        by_rank = lines.get(key, {})
+        attach_usage(result, [v[min(n, len(v) - 1)] for v in by_rank.values()])
     return results
-
-
-def _keys(result):
-    """How the ranks' CPU lines name `result`: variant/model/batch/label (older logs lack
-    the variant)."""
-    key = "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
-    return [key, key.split("/", 1)[1]]
 
 
 def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
@@ -247,8 +229,8 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     `quiet_below` cores, when there are `min_quiet` such windows; otherwise it stays the
     median over all windows and `noisy` is set. Both medians are kept.
     """
-    keys = _keys(result)
-    ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") in keys}
+    key = result_key(result)
+    ranks = {c["rank"]: c["cpu"] for c in cpu_lines if c.get("key") == key}
     walls = result.get("window_seconds") or []
     busy = result.get("machine_busy_seconds") or []
     result["rank_cpu_seconds"] = {str(r): v for r, v in sorted(ranks.items())}
@@ -282,7 +264,7 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
     procs = launch(run, sys.executable, base_env, uid)
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, f"{run.name}.log")
-    results, cpu_lines, started = [], [], time.monotonic()
+    started = time.monotonic()
     with open(path, "w") as log_file:
         handles = []
         for argv, env in procs:
@@ -301,9 +283,7 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
                 )
             )
         readers = [
-            threading.Thread(
-                target=_stream, args=(h, log_file, on_result, results, cpu_lines), daemon=True
-            )
+            threading.Thread(target=_stream, args=(h, log_file, on_result), daemon=True)
             for h in handles
         ]
         for t in readers:
@@ -326,7 +306,7 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
             t.join(timeout=5)
     # The log file holds every line: read the figures back from it, so that no line a
     # reader thread had not handed over yet is missing.
-    results = read_log(path) or results
+    results = read_log(path)
     for result in results:
         if "window_seconds" in result:
             on_result(result, final=True)

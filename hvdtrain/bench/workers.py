@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-__all__ = ["main", "bind_to_cores", "local_rank_from_env", "MARKER"]
+__all__ = ["main", "bind_to_cores", "local_rank_from_env", "result_key", "MARKER"]
 
 MARKER = "@@hvdbench "
 CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window
@@ -233,7 +233,7 @@ def _median(values):
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _init(variants):
+def _init(variants, threads):
     """Starts what the variants need; returns (rank, size, backend, strategy)."""
     import tensorflow as tf
 
@@ -244,7 +244,7 @@ def _init(variants):
     if "hvdtrain" in variants:
         import hvdtrain
 
-        hvdtrain.init(threads=_ARGS.threads)
+        hvdtrain.init(threads=threads)
     if "baseline" in variants:
         import horovod.tensorflow.keras as hvd
 
@@ -263,20 +263,16 @@ def _init(variants):
     return 0, 1, None, None
 
 
-_ARGS = None
-
-
 def main(argv=None):
-    global _ARGS
     cores = _bind()  # before TensorFlow creates a thread
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = _ARGS = _parse(argv)
+    args = _parse(argv)
     variants = args.variant.split(",")
     if "mwms" in variants and "TF_CONFIG" in os.environ:  # one GPU per worker, if any
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(local_rank_from_env()))
     import tensorflow as tf
 
-    rank, size, backend, strategy = _init(variants)
+    rank, size, backend, strategy = _init(variants, args.threads)
     if len(variants) > 1 and (size > 1 or strategy is not None):
         raise SystemExit("several variants share a process only at -np 1, without mwms")
     x, y = synthetic_data(args.samples)
@@ -318,7 +314,7 @@ def main(argv=None):
                     cpu = [round(w[1], 3) for w in windows[1:]]
                     # Single processes started side by side (the ceiling) tell apart by core.
                     who = rank if size > 1 else local_rank_from_env()
-                    line = {"rank": who, "key": _key(result), "cpu": cpu}
+                    line = {"rank": who, "key": result_key(result), "cpu": cpu}
                     print(CPU_MARKER + json.dumps(line), flush=True)
     if strategy is not None and size > 1:
         # Every figure is out; MultiWorkerMirrored's gRPC teardown takes 10 s or more.
@@ -327,7 +323,7 @@ def main(argv=None):
     return 0
 
 
-def _key(result):
+def result_key(result):
     """What identifies one measurement across the ranks' lines."""
     return "/".join(str(result[k]) for k in ("variant", "model", "batch_size", "label"))
 
