@@ -1,6 +1,7 @@
-# hvdtrain for GPU nodes: CUDA 12.2 + cuDNN 8.9 (what TensorFlow 2.15 was built against), Python 3.11,
-# TensorFlow 2.15.1, Open MPI, NCCL, and Horovod 0.28.1 built from source with NCCL by the same
-# script as the host set-up (launch/install_horovod.sh).
+# hvdtrain for GPU nodes: CUDA 12.5 (what TensorFlow 2.21 was built against), Python 3.12 (Ubuntu
+# 24.04's), TensorFlow 2.21 with its pip CUDA libraries (cuDNN 9, NCCL 2.27) and Keras 2 from
+# tf-keras, Open MPI, and Horovod 0.28.1 built from source with NCCL, with hvdtrain's patch, by the
+# same script as the host set-up (launch/install_horovod.sh).
 #
 #   docker build -t hvdtrain .
 #   docker run --rm --gpus all --ipc=host hvdtrain \
@@ -13,18 +14,19 @@
 # (its default, /root/.ssh, is for images that run as root), `runAsUser: 1000`, and give the workers
 # the sshd command above.
 
-# cuDNN 8.9 ships in the `cudnn8` tags of CUDA 12.2.x (the image holds cuDNN 8.9.6 and NCCL 2.19.3).
-ARG CUDA_IMAGE_TAG=12.2.2-cudnn8-devel-ubuntu22.04
+# The CUDA toolkit (nvcc and headers) that Horovod's GPU code compiles with: 12.5, the version that
+# TensorFlow 2.21's CUDA libraries on pip are (its `and-cuda` extra asks for cuda-runtime >= 12.5.82,
+# cuDNN >= 9.3, NCCL >= 2.27.7). Ubuntu 24.04 brings Python 3.12 and gcc 13 (the patch adds the
+# includes gcc 13 needs).
+ARG CUDA_IMAGE_TAG=12.5.1-devel-ubuntu24.04
 FROM nvidia/cuda:${CUDA_IMAGE_TAG}
 
-# setup.cfg requires Python 3.11; the two pins below must agree with constraints.txt.
-ARG PYTHON_VERSION=3.11
-ARG TENSORFLOW_VERSION=2.15.1
-ARG HOROVOD_VERSION=0.28.1
-# The version the base image already installs and holds (apt-mark hold); another one needs the
-# --allow-change-held-packages below. Not named NCCL_VERSION: the base image sets that as ENV,
-# which would override an ARG of the same name.
-ARG NCCL_PACKAGE_VERSION=2.19.3-1+cuda12.2
+# The pins below must agree with constraints.txt (tests/test_dockerfile.py checks).
+ARG PYTHON_VERSION=3.12
+ARG TENSORFLOW_VERSION=2.21.0
+# The NCCL that TensorFlow 2.21 asks for; Horovod is built against the same pip copy, so one NCCL
+# is loaded in each rank.
+ARG NCCL_PIP_VERSION=2.27.7
 ARG SSH_PORT=2222
 ARG HVD_UID=1000
 # Build-time only (ARGs are not kept in the image).
@@ -34,75 +36,82 @@ ARG PIP_DISABLE_PIP_VERSION_CHECK=1
 
 SHELL ["/bin/bash", "-euo", "pipefail", "-c"]
 
-# Ubuntu's own packages (Python 3.11 from jammy's universe, Open MPI 4.1) follow security updates,
-# and old versions leave the archive, so they are not pinned; NCCL, the one the build links
-# against, is. Jammy's Open MPI is not CUDA-aware, which Horovod does not need: GPU tensors go
-# through NCCL, MPI only coordinates.
+# Ubuntu's own packages (Python 3.12, Open MPI 4.1, patch) follow security updates, and old
+# versions leave the archive, so they are not pinned. Ubuntu's Open MPI is not CUDA-aware, which
+# Horovod does not need: GPU tensors go through NCCL, MPI only coordinates.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends --allow-change-held-packages --allow-downgrades \
-        build-essential \
+    && apt-get install -y --no-install-recommends \
+        build-essential patch \
         "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
         openmpi-bin libopenmpi-dev \
-        "libnccl2=${NCCL_PACKAGE_VERSION}" "libnccl-dev=${NCCL_PACKAGE_VERSION}" \
         openssh-client openssh-server \
     && rm -rf /var/lib/apt/lists/*
 
 ENV VIRTUAL_ENV=/opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# The plain `tensorflow` wheel is the CUDA build; it uses the image's CUDA 12.2, cuDNN 8.9 and NCCL
-# instead of the pip copies that `tensorflow[and-cuda]` would add (about 3 GB, a second NCCL).
-# numpy<2 comes from constraints.txt, as on the host. The build tools are the ones the host set-up
-# installs (Horovod needs cmake>=3.13; Ubuntu's venv can start with an older setuptools than the
-# host's 65).
+# Keras 2 for tf.keras in every process of the image (Horovod has no Keras 3 path).
+ENV TF_USE_LEGACY_KERAS=1
+# TensorFlow's CUDA build with the CUDA libraries it was tested with, from pip (`and-cuda`), and
+# Keras 2 without its `tensorflow` requirement (already met). numpy and the rest come from
+# constraints.txt, as on the host; the build tools are the host set-up's.
 COPY constraints.txt /opt/hvdtrain/constraints.txt
 RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir "pip<25" \
-    && pip install --no-cache-dir -c /opt/hvdtrain/constraints.txt \
-        "tensorflow==${TENSORFLOW_VERSION}" "numpy<2" \
-        "cmake>=3.13,<4" "wheel<1" "setuptools>=65,<81" "packaging>=20"
+    && grep -v '^tensorflow-cpu==' /opt/hvdtrain/constraints.txt >/tmp/constraints.txt \
+    && pip install --no-cache-dir -c /tmp/constraints.txt \
+        "tensorflow[and-cuda]==${TENSORFLOW_VERSION}" "nvidia-nccl-cu12==${NCCL_PIP_VERSION}" \
+        numpy cmake "wheel<1" "setuptools>=65,<81" "packaging>=20" \
+    && pip install --no-cache-dir --no-deps -c /tmp/constraints.txt "tf-keras==${TENSORFLOW_VERSION}" \
+    && rm /tmp/constraints.txt
 
-# Horovod with TensorFlow, Gloo, MPI and NCCL, built by the host's script, which fails the build
-# unless `horovodrun --check-build` shows all four (HOROVOD_VERSION comes from the ARG above).
-# No GPU or driver exists at build time: like Horovod's own images, put the CUDA stub libcuda
-# (its soname link libcuda.so.1 is made by ldconfig) in the loader cache for the build only;
-# the final `ldconfig` drops it again, so at run time the driver's libcuda (mounted by the NVIDIA
-# container toolkit) is the only one.
-COPY launch/install_horovod.sh /opt/hvdtrain/launch/install_horovod.sh
-RUN ldconfig /usr/local/cuda/lib64/stubs \
-    && HOROVOD_GPU_OPERATIONS=NCCL PYTHON="$VIRTUAL_ENV/bin/python" \
+# Horovod with TensorFlow, Gloo, MPI and NCCL, built by the host's script, which applies the patch
+# and fails the build unless Horovod has all four. NCCL is pip's (the wheel ships headers and
+# libnccl.so.2; the link name is added for the build). No GPU or driver exists at build time: like
+# Horovod's own images, put the CUDA stub libcuda in the loader cache for the build only; the
+# final `ldconfig` drops it again, so at run time the driver's libcuda is the only one.
+COPY launch/install_horovod.sh launch/horovod-0.28.1.patch /opt/hvdtrain/launch/
+RUN nccl="$("$VIRTUAL_ENV/bin/python" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))')" \
+    && ln -sf libnccl.so.2 "$nccl/lib/libnccl.so" \
+    && ldconfig /usr/local/cuda/lib64/stubs \
+    && HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED \
+        PYTHON="$VIRTUAL_ENV/bin/python" CONSTRAINTS=/opt/hvdtrain/constraints.txt \
         /opt/hvdtrain/launch/install_horovod.sh \
     && ldconfig
+# Horovod's library finds pip's NCCL at run time even when TensorFlow has not loaded it first.
+ENV LD_LIBRARY_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/nccl/lib
 
-# hvdtrain itself. setup.cfg lists tensorflow-cpu (the host's wheel), which would overwrite the CUDA
-# build's files, so hvdtrain goes in with --no-deps and then its other requirements, read back from
-# its own metadata so that setup.cfg stays their only list.
+# hvdtrain itself, without dependencies (TensorFlow is the CUDA build above), then its other
+# requirements from its own metadata, so that setup.cfg stays their only list.
 COPY . /opt/hvdtrain
 RUN pip install --no-cache-dir --no-deps /opt/hvdtrain \
-    && python -c 'import importlib.metadata as m; print("\n".join(r for r in m.requires("hvdtrain") if not r.startswith("tensorflow-cpu")))' \
+    && python -c 'import importlib.metadata as m; print("\n".join(m.requires("hvdtrain")))' \
         >/tmp/hvdtrain-requirements.txt \
     && pip install --no-cache-dir -c /opt/hvdtrain/constraints.txt -r /tmp/hvdtrain-requirements.txt \
     && rm /tmp/hvdtrain-requirements.txt
 
-# The finished environment: still the CUDA build of TensorFlow and numpy<2, and Horovod's check.
+# The finished environment: the CUDA build of TensorFlow, Keras 2 as tf.keras, Horovod's check.
 RUN ldconfig /usr/local/cuda/lib64/stubs \
-    && python -c 'import numpy, tensorflow as tf, horovod.tensorflow, mpi4py, hvdtrain; assert tf.test.is_built_with_cuda(), "tensorflow is not the CUDA build"; assert int(numpy.__version__.split(".")[0]) < 2, numpy.__version__' \
+    && python -c 'import tensorflow as tf, horovod.tensorflow.keras, mpi4py, hvdtrain, hvdtrain.compat as c; assert tf.test.is_built_with_cuda(), "tensorflow is not the CUDA build"; c.require_keras2()' \
     && horovodrun --check-build \
     && ldconfig
 
 # Multi-node: ssh between containers without prompts (the launcher's ~/.ssh may be a read-only
 # Secret, hence no known_hosts file), on a port a non-root sshd can open. ssh sessions do not get
-# the image's ENV, so the sshd sets PATH for the processes mpirun starts there. Open MPI's shared
-# memory transport cannot use CMA inside containers without CAP_SYS_PTRACE; copy through shared
-# memory instead.
+# the image's ENV, so the sshd sets PATH and Keras 2 for the processes mpirun starts there. Open
+# MPI's shared memory transport cannot use CMA inside containers without CAP_SYS_PTRACE; copy
+# through shared memory instead.
 RUN printf '%s\n' 'Host *' '    StrictHostKeyChecking no' '    UserKnownHostsFile /dev/null' \
         "    Port ${SSH_PORT}" >/etc/ssh/ssh_config.d/hvdtrain.conf \
     && mkdir -p /run/sshd \
+    && (userdel --remove ubuntu 2>/dev/null || true) \
     && groupadd --gid "${HVD_UID}" hvd \
     && useradd --create-home --uid "${HVD_UID}" --gid hvd --shell /bin/bash hvd \
     && install -d -m 700 -o hvd -g hvd /home/hvd/.ssh \
     && printf '%s\n' "Port ${SSH_PORT}" 'HostKey /home/hvd/.ssh/id_rsa' 'PidFile /home/hvd/sshd.pid' \
-        'StrictModes no' "SetEnv PATH=${PATH}" >/home/hvd/.sshd_config
+        'StrictModes no' \
+        "SetEnv PATH=${PATH} TF_USE_LEGACY_KERAS=1 LD_LIBRARY_PATH=${LD_LIBRARY_PATH}" \
+        >/home/hvd/.sshd_config
 ENV OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 # Numeric, so that Kubernetes' runAsNonRoot can tell that it is not root.

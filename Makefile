@@ -2,14 +2,18 @@
 #   make train   # installs what is missing, then trains MNIST on 2 ranks of this host
 #   make test    # installs what is missing, then lint + the whole test suite
 # A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
+#   TF_VERSION=2.15.1 make test   # the 2023 stack (TensorFlow 2.15.1, Python 3.11) in .venv-tf2.15.1
+#   PYTHON=python3.12 make test   # that interpreter rather than the newest fitting one
 
-VENV   ?= .venv
+TF_VERSION ?= 2.21.0
+VENV   ?= $(if $(filter 2.21.0,$(TF_VERSION)),.venv,.venv-tf$(TF_VERSION))
 NP     ?= 2
 EPOCHS ?= 15
 OUT    ?= out/mnist
 # The embedded digits by default; `make train HVDTRAIN_OFFLINE=0` lets Keras download MNIST.
 HVDTRAIN_OFFLINE ?= 1
-export HVDTRAIN_OFFLINE
+export HVDTRAIN_OFFLINE TF_VERSION
+export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 

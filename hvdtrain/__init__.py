@@ -17,8 +17,18 @@ first use, so the launcher (`hvdtrain.launcher`) starts fast and never touches a
 """
 
 import importlib
+import os
 
 __version__ = "0.1.0"
+
+# Keras 2 (tf_keras) for tf.keras from TensorFlow 2.16 on: Horovod has no Keras 3 path. It must
+# be set before TensorFlow is imported, so here, before any module of ours imports it (it also
+# reaches every process the launcher starts). `hvdtrain.compat` explains a wrong Keras.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from hvdtrain.errors import report_uncaught  # noqa: E402  (after the variable above)
+
+report_uncaught()  # a user mistake in a script prints one line, not a traceback
 
 _EXPORTS = {
     "HvdtrainError": "errors",

@@ -36,17 +36,21 @@ class _ArraysOnly(pickle.Unpickler):
     a pickle that names any other callable is refused instead of run."""
 
     _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "_reconstruct"),  # numpy 1 wrote these names (the real files)
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "_reconstruct"),  # and numpy 2 these
+        ("numpy._core.multiarray", "scalar"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
-        ("numpy.core.multiarray", "scalar"),
         ("_codecs", "encode"),
     }
 
     def find_class(self, module, name):
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):
+            module = "numpy._core." + module[len("numpy.core.") :]  # numpy 2: no deprecation
+        return super().find_class(module, name)
 
 
 def _read_batch(f, where):

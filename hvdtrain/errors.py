@@ -3,7 +3,14 @@
 import os
 import sys
 
-__all__ = ["HvdtrainError", "invalid_value", "one_line", "env_rank", "exit_with_error"]
+__all__ = [
+    "HvdtrainError",
+    "invalid_value",
+    "one_line",
+    "env_rank",
+    "exit_with_error",
+    "report_uncaught",
+]
 
 # Everything `str.splitlines` breaks a line on, written as its escape instead.
 _LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -51,3 +58,24 @@ def exit_with_error(prog, error, code=2):
         where = f" [rank {rank}]" if rank else ""
         print(f"{prog}{where}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def report_uncaught():
+    """Makes an uncaught `HvdtrainError` in a user's script print like the entry points' errors
+    (`train.py: error: ...`, once, no traceback; the exit status stays 1). Other exceptions keep
+    the hook they had. Installed by `import hvdtrain`; idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "hvdtrain_errors", False):
+        return
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, HvdtrainError):
+            return previous(kind, value, tb)
+        rank = env_rank()
+        if rank == 0 or not value.every_rank:
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "hvdtrain"
+            where = f" [rank {rank}]" if rank else ""
+            print(f"{prog}{where}: error: {value}", file=sys.stderr, flush=True)
+
+    hook.hvdtrain_errors = True
+    sys.excepthook = hook

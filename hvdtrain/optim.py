@@ -10,6 +10,7 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
+from hvdtrain import compat
 from hvdtrain.errors import invalid_value
 
 __all__ = [
@@ -71,6 +72,7 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             each allreduce and update (local gradient accumulation; 1 = off).
         **kwargs: passed on to `hvd.DistributedOptimizer`.
     """
+    compat.require_keras2()  # Horovod's wrapper fails deep inside `fit` on Keras 3
     if compression is not None:
         kwargs["compression"] = compression
     if backward_passes_per_step > 1:

@@ -22,7 +22,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import tuning
+from hvdtrain import compat, tuning
 from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
@@ -167,6 +167,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     Returns:
         The GPU index used, or None on a CPU-only host.
     """
+    compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
     os.environ.update(tuning.horovod_settings(os.environ))  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
@@ -213,7 +214,7 @@ def _name_failures(rank):
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        if issubclass(kind, KeyboardInterrupt):
+        if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
             return
         watchdog = sys.modules.get("hvdtrain.watchdog")
         last = watchdog.last_activity() if watchdog else None

@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# Install everything hvdtrain needs on this host into ./.venv (idempotent: a second run only checks).
+# Install everything hvdtrain needs on this host into a virtual environment (idempotent: a
+# second run only checks).
 #
-#   launch/setup_host.sh          # what `make train` runs first
-#   launch/setup_host.sh --test   # what `make test` runs: also sshd, iproute2, SLURM and munge
-#                                 # (the multi-host and SLURM tests; skipped when not root)
+#   launch/setup_host.sh                    # what `make train` runs first (into ./.venv)
+#   launch/setup_host.sh --test             # what `make test` runs: also sshd, iproute2, SLURM
+#                                           # and munge (multi-host and SLURM tests; root only)
+#   PYTHON=python3.12 launch/setup_host.sh  # this interpreter rather than the newest fitting one
+#   TF_VERSION=2.15.1 HVDTRAIN_VENV=.venv-tf2.15.1 launch/setup_host.sh   # the 2023 stack
 #
-# Steps: Debian's Open MPI (apt, only if missing) -> Python 3.11 venv -> pinned Python packages
-# (constraints.txt keeps numpy<2) -> Horovod built from source (launch/install_horovod.sh) -> hvdtrain.
+# Stacks (TF_VERSION): 2.21.0, the default (TensorFlow 2.21 CPU, Keras 2 from tf-keras, numpy 2;
+# Python 3.11-3.13; pins in constraints.txt), or 2.15.1 (Python 3.11, numpy < 2; pins in
+# launch/constraints-tf2.15.1.txt). The interpreter is $PYTHON, else the newest fitting
+# python3.X on PATH or under pyenv; an existing environment keeps its interpreter.
+#
+# Steps: Debian's Open MPI (apt, only if missing) -> venv -> pinned TensorFlow (+ tf-keras
+# without its `tensorflow` requirement, which would pull the full wheel beside tensorflow-cpu)
+# -> Horovod built from source with hvdtrain's patch (launch/install_horovod.sh) -> hvdtrain.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=${HVDTRAIN_VENV:-.venv}
 stamp="$venv/.hvdtrain-setup"
-inputs=(setup.cfg pyproject.toml constraints.txt launch/setup_host.sh launch/install_horovod.sh)
+tf_version=${TF_VERSION:-2.21.0}
+die() { echo "setup_host: error: $*" >&2; exit 1; }
+
+case "$tf_version" in
+  2.21.0) constraints=constraints.txt pythons=(3.13 3.12 3.11) keras=(tf-keras==2.21.0) ;;
+  2.15.1) constraints=launch/constraints-tf2.15.1.txt pythons=(3.11) keras=() ;;
+  *) die "Invalid value for \`TF_VERSION\`: received '$tf_version'; expected 2.21.0 (the default) or 2.15.1" ;;
+esac
+inputs=(setup.cfg pyproject.toml "$constraints" launch/setup_host.sh launch/install_horovod.sh
+        launch/horovod-0.28.1.patch)
 
 apt_install() {
   if [ "$(id -u)" -ne 0 ]; then
-    echo "setup_host: error: missing system packages ($*); run: sudo apt-get install -y $*" >&2
-    exit 1
+    die "missing system packages ($*); run: sudo apt-get install -y $*"
   fi
   echo "setup_host: apt-get install $*"
   apt-get update -qq
@@ -28,6 +45,7 @@ need=()
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
 command -v ssh >/dev/null || need+=(openssh-client)
+command -v patch >/dev/null || need+=(patch)
 if [ "${1:-}" = --test ]; then
   [ -x /usr/sbin/sshd ] || need+=(openssh-server)
   command -v ip >/dev/null || need+=(iproute2)
@@ -35,32 +53,62 @@ if [ "${1:-}" = --test ]; then
   command -v munged >/dev/null || need+=(munge)
 fi
 if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" -ne 0 ] && [ "${1:-}" = --test ] && command -v mpicc >/dev/null; then
+  if [ "$(id -u)" -ne 0 ] && [ "${1:-}" = --test ] && command -v mpicc >/dev/null \
+     && command -v patch >/dev/null; then
     echo "setup_host: not root: skipping ${need[*]} (their tests will be skipped)"
   else
     apt_install "${need[@]}"
   fi
 fi
 
-if [ -f "$stamp" ] && [ "$(cat "${inputs[@]}" | sha256sum)" = "$(cat "$stamp")" ] \
-   && "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
+# The stamp: the set-up's inputs, the stack and the interpreter's version.
+fingerprint() { { cat "${inputs[@]}"; echo "$tf_version"; "$venv/bin/python" -V; } | sha256sum; }
+if [ -f "$stamp" ] && [ -x "$venv/bin/python" ] && [ "$(fingerprint)" = "$(cat "$stamp")" ] \
+   && TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
   exit 0
 fi
 
-python=${PYTHON:-python3.11}
-if ! command -v "$python" >/dev/null; then
-  echo "setup_host: error: $python not found; hvdtrain needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2
-  exit 1
+fits() {  # fits PYTHON: prints its X.Y when it is one of this stack's and can make a venv
+  local v
+  v=$("$1" -c 'import sys, ensurepip, venv; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || return 1
+  [[ " ${pythons[*]} " == *" $v "* ]] && echo "$v"
+}
+if [ -x "$venv/bin/python" ] && [ -z "${PYTHON:-}" ] && fits "$venv/bin/python" >/dev/null; then
+  python="$venv/bin/python"  # keep the environment's interpreter
+else
+  python=${PYTHON:-}
+  if [ -z "$python" ]; then
+    candidates=()
+    for v in "${pythons[@]}"; do
+      candidates+=("python$v")
+      if command -v pyenv >/dev/null; then
+        candidates+=("$(pyenv root)"/versions/"$v".*/bin/"python$v")
+      fi
+    done
+    for c in "${candidates[@]}"; do
+      if command -v "$c" >/dev/null && fits "$c" >/dev/null; then python=$c; break; fi
+    done
+    [ -n "$python" ] || die "no fitting Python found: TensorFlow $tf_version with hvdtrain needs Python ${pythons[*]} with venv (python3.X-venv on Debian/Ubuntu), on PATH or as PYTHON=/path/to/python3.X"
+  elif ! fits "$python" >/dev/null; then
+    die "Invalid value for \`PYTHON\`: received '$python' ($("$python" -V 2>&1 || echo 'not runnable')); expected Python ${pythons[*]} with venv, for TensorFlow $tf_version"
+  fi
+  if [ -x "$venv/bin/python" ] && [ "$(fits "$venv/bin/python" || true)" != "$(fits "$python")" ]; then
+    echo "setup_host: $venv has $("$venv/bin/python" -V 2>&1); making it anew with $("$python" -V)"
+    rm -rf "$venv"
+  fi
 fi
+echo "setup_host: TensorFlow $tf_version on $("$python" -V) ($python) into $venv"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install -q --upgrade "pip<25" >/dev/null
-"${pip[@]}" install -q -c constraints.txt \
-  "tensorflow-cpu==2.15.1" "numpy<2" cmake wheel setuptools packaging
-PYTHON="$venv/bin/python" launch/install_horovod.sh
+quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "dependency resolver" -e "requires tensorflow" >&2); }
+quiet "${pip[@]}" install -q --upgrade "pip<25" >/dev/null
+quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel setuptools packaging
+# tf-keras requires `tensorflow`, which would install the full wheel beside tensorflow-cpu.
+[ ${#keras[@]} -eq 0 ] || quiet "${pip[@]}" install -q --no-deps -c "$constraints" "${keras[@]}"
+PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
-"${pip[@]}" install -q -c constraints.txt -e ".[test]"
-"$venv/bin/python" -c 'import numpy, tensorflow, horovod.tensorflow, mpi4py, hvdtrain' \
-  || { echo "setup_host: error: the environment does not import; see the messages above" >&2; exit 1; }
-cat "${inputs[@]}" | sha256sum >"$stamp"
-echo "setup_host: ready ($venv)"
+quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
+TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -c 'import numpy, tensorflow, horovod.tensorflow.keras, mpi4py, hvdtrain' \
+  || die "the environment does not import; see the messages above"
+fingerprint >"$stamp"
+echo "setup_host: ready ($venv: $("$venv/bin/python" -V), TensorFlow $tf_version)"

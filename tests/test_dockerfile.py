@@ -77,15 +77,22 @@ def test_hadolint_reports_nothing():
 def test_versions_are_args_that_match_the_host_pins():
     args = stage_args()
     constraints = pins("constraints.txt")
-    assert args["TENSORFLOW_VERSION"] == constraints["tensorflow-cpu"] == "2.15.1"
-    assert args["HOROVOD_VERSION"] == constraints["horovod"] == "0.28.1"
-    assert f"HOROVOD_VERSION:-{args['HOROVOD_VERSION']}" in read("launch", "install_horovod.sh")
-    assert args["PYTHON_VERSION"] == "3.11"
-    # The CUDA base is an ARG too (declared before FROM) and is CUDA 12.2 with cuDNN 8.
+    assert args["TENSORFLOW_VERSION"] == constraints["tensorflow-cpu"] == "2.21.0"
+    assert constraints["tf-keras"] == args["TENSORFLOW_VERSION"]  # the same version line
+    assert constraints["horovod"] == "0.28.1"
+    assert "HOROVOD_VERSION=0.28.1" in read("launch", "install_horovod.sh")
+    assert "horovod-0.28.1.patch" in " ".join(v for k, v in instructions() if k == "COPY")
+    assert args["PYTHON_VERSION"] == "3.12"
+    # The CUDA base is an ARG too (declared before FROM): CUDA 12.5, what TensorFlow 2.21's pip
+    # CUDA libraries are, on Ubuntu 24.04 (Python 3.12).
     assert ("FROM", "nvidia/cuda:${CUDA_IMAGE_TAG}") in instructions()
     base = re.search(r"^ARG CUDA_IMAGE_TAG=(\S+)", read("Dockerfile"), flags=re.MULTILINE)
-    assert base and re.fullmatch(r"12\.2\.\d+-cudnn8-devel-ubuntu22\.04", base.group(1))
-    assert any('"tensorflow==${TENSORFLOW_VERSION}"' in run for run in runs())
+    assert base and re.fullmatch(r"12\.5\.\d+-devel-ubuntu24\.04", base.group(1))
+    assert any('"tensorflow[and-cuda]==${TENSORFLOW_VERSION}"' in run for run in runs())
+    assert any('"tf-keras==${TENSORFLOW_VERSION}"' in run and "--no-deps" in run for run in runs())
+    # Keras 2 in every process of the image, ssh sessions included.
+    assert ("ENV", "TF_USE_LEGACY_KERAS=1") in instructions()
+    assert any("SetEnv PATH=${PATH} TF_USE_LEGACY_KERAS=1" in run for run in runs())
 
 
 def test_horovod_is_built_by_the_host_script_with_nccl_and_checked():
@@ -95,7 +102,9 @@ def test_horovod_is_built_by_the_host_script_with_nccl_and_checked():
     # On the same command line as the script, so that the variable reaches pip's build.
     assert "HOROVOD_GPU_OPERATIONS=NCCL" in build[0]
     assert any("horovodrun --check-build" in run for run in runs())
-    # hvdtrain without its tensorflow-cpu requirement, beside the CUDA build of TensorFlow.
+    # Against pip's NCCL, the one TensorFlow loads: one NCCL per rank.
+    assert "HOROVOD_NCCL_HOME=" in build[0] and "HOROVOD_NCCL_LINK=SHARED" in build[0]
+    # hvdtrain without dependencies, beside the CUDA build of TensorFlow.
     assert any("pip install --no-cache-dir --no-deps /opt/hvdtrain" in run for run in runs())
 
 

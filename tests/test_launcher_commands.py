@@ -22,6 +22,7 @@ CMD = ("python", "-m", "hvdtrain.mnist", "--epochs", "1")
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LD_LIBRARY_PATH": "/opt/lib"}
 MPI_FIXED = ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
 MPI_FIXED += ["-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+KERAS2 = {"TF_USE_LEGACY_KERAS": "1"}  # every backend gives it to every rank
 
 
 def config(backend, **kw):
@@ -32,7 +33,27 @@ def config(backend, **kw):
 def test_horovodrun(backend):
     argv, env = build_command(config(backend), ENV, uid=1000)
     assert argv == ["horovodrun", f"--{backend}", "-np", "4", "-H", "a:2,b:2", *CMD]
-    assert env == {}
+    assert env == KERAS2
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "mpirun", "srun"])
+def test_keras2_reaches_every_rank_and_the_users_value_wins(backend):
+    """TF_USE_LEGACY_KERAS=1 is set for the ranks of every backend (plain mpirun as -x,
+    since across hosts it forwards nothing it is not told to); a value the user set is
+    passed on unchanged (mpirun: forwarded by name), so a wrong one fails clearly."""
+    argv, env = build_command(config(backend), ENV, uid=1000)
+    if backend == "mpirun":
+        assert (
+            "TF_USE_LEGACY_KERAS=1" in argv
+            and argv[argv.index("TF_USE_LEGACY_KERAS=1") - 1] == "-x"
+        )
+    else:
+        assert env["TF_USE_LEGACY_KERAS"] == "1"
+    argv, env = build_command(config(backend), dict(ENV, TF_USE_LEGACY_KERAS="0"), uid=1000)
+    assert "TF_USE_LEGACY_KERAS" not in env
+    assert "TF_USE_LEGACY_KERAS=1" not in argv
+    if backend == "mpirun":
+        assert argv[argv.index("TF_USE_LEGACY_KERAS") - 1] == "-x"
 
 
 def test_horovodrun_options_and_venv_path():
@@ -50,7 +71,7 @@ def test_horovodrun_options_and_venv_path():
         "--fusion-threshold-mb", "64", "--cycle-time-ms", "2.5", "--timeline-filename", "t.json",
         "--network-interfaces", "eth0,ib0", "-p", "2222", "-i", "/k/id", *CMD,
     ]  # fmt: skip
-    assert env == {"NCCL_DEBUG": "INFO", "PATH": "/venv/bin:/usr/bin:/bin"}
+    assert env == {**KERAS2, "NCCL_DEBUG": "INFO", "PATH": "/venv/bin:/usr/bin:/bin"}
     mpi = config("mpi", mpi_args=("--report-bindings", "--mca", "x", "a b"))
     argv, _ = build_command(mpi, ENV, uid=0)
     assert "--mpi-args=--report-bindings --mca x 'a b'" in argv
@@ -59,7 +80,7 @@ def test_horovodrun_options_and_venv_path():
 @pytest.mark.parametrize("uid, root", [(1000, []), (0, ["--allow-run-as-root"])])
 def test_mpirun_as_user_and_as_root(uid, root):
     argv, env = build_command(config("mpirun"), ENV, uid=uid)
-    exports = ["-x", "LD_LIBRARY_PATH", "-x", "PATH"]
+    exports = ["-x", "TF_USE_LEGACY_KERAS=1", "-x", "LD_LIBRARY_PATH", "-x", "PATH"]
     assert argv == ["mpirun", *root, "-np", "4", "-H", "a:2,b:2", *MPI_FIXED, *exports, *CMD]
     assert env == {}
 
@@ -88,6 +109,7 @@ def test_mpirun_tunables_nics_ssh_and_forwarding():
         "/usr/bin/mpirun", "-np", "4", "-H", "a:2,b:2", *MPI_FIXED,
         "-mca", "btl_tcp_if_include", "eth0", "-mca", "oob_tcp_if_include", "eth0",
         "-mca", "plm_rsh_args", "-p 2222 -i /k/id",
+        "-x", "TF_USE_LEGACY_KERAS=1",
         "-x", f"HOROVOD_FUSION_THRESHOLD={32 * 1024 * 1024}",
         "-x", "HOROVOD_CYCLE_TIME=3",
         "-x", "HOROVOD_TIMELINE=/tmp/tl.json",
@@ -107,6 +129,7 @@ def test_srun():
     argv, env = build_command(cfg, ENV, uid=0, bindir="/usr/bin")
     assert argv == ["srun", "--mpi=pmix", "-n", "4", "--kill-on-bad-exit=1", *CMD]
     assert env == {
+        **KERAS2,
         "HOROVOD_FUSION_THRESHOLD": "1048576",
         "NCCL_SOCKET_IFNAME": "ib0",
         "OMPI_MCA_btl_tcp_if_include": "ib0",

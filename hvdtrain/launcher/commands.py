@@ -18,7 +18,9 @@ transports (`-mca pml ob1 -mca btl ^openib`; pass `--mpi-args` for UCX/InfiniBan
 `-x NAME` for every variable the ranks need that is set here: PATH, LD_LIBRARY_PATH,
 PYTHONPATH, VIRTUAL_ENV, PYTHONUNBUFFERED and all HOROVOD_*, HVDTRAIN_*, NCCL_*, TF_*
 (never Horovod's private `_HOROVOD_SECRET_KEY`). Horovod tunables become horovodrun flags
-or HOROVOD_* variables (`TUNABLES`).
+or HOROVOD_* variables (`TUNABLES`). Every backend sets `TF_USE_LEGACY_KERAS=1` for the
+ranks unless the environment sets it (`RANK_ENV`: Keras 2 for tf.keras on TensorFlow >= 2.16;
+plain mpirun gets it as `-x`, since across hosts it forwards nothing else).
 
 The directory of the launching Python (the virtualenv's bin) is put first on PATH, so
 `python` in the command is the launcher's Python on every rank, as after `source activate`.
@@ -38,6 +40,7 @@ from hvdtrain.launcher.hosts import format_hosts
 
 __all__ = [
     "BACKENDS",
+    "RANK_ENV",
     "TUNABLES",
     "EXPORTED_NAMES",
     "EXPORTED_PREFIXES",
@@ -58,6 +61,10 @@ __all__ = [
 ]
 
 BACKENDS = ("gloo", "mpi", "mpirun", "srun")
+# What every rank needs whatever the user's environment says: Keras 2 for tf.keras from
+# TensorFlow 2.16 on (Horovod has no Keras 3 path; see `hvdtrain.compat`). A value the user
+# set wins, so that a wrong one fails with hvdtrain's clear error rather than silently.
+RANK_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
 EXPORTED_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "NCCL_", "TF_")
 _SECRET = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -167,6 +174,11 @@ def _exports_env(config):
     return {name: value for name, value in config.exports if value is not None}
 
 
+def _rank_env(environ):
+    """`RANK_ENV`'s variables that `environ` does not set already."""
+    return {name: value for name, value in RANK_ENV.items() if name not in environ}
+
+
 def horovodrun_command(config, environ, bindir="", program="horovodrun"):
     """`horovodrun --gloo|--mpi -np N -H hosts [tunables] command`, and its environment."""
     argv = [program, f"--{config.backend}", "-np", str(config.np), "-H", format_hosts(config.hosts)]
@@ -180,7 +192,7 @@ def horovodrun_command(config, environ, bindir="", program="horovodrun"):
         argv += ["-i", config.ssh_identity_file]
     if config.mpi_args:
         argv.append("--mpi-args=" + shlex.join(config.mpi_args))
-    env = _exports_env(config)
+    env = {**_rank_env(environ), **_exports_env(config)}  # horovodrun passes its env on
     path = path_with(bindir, environ.get("PATH", ""))
     if path:
         env["PATH"] = path
@@ -215,7 +227,7 @@ def mpirun_command(config, environ, uid, bindir="", program="mpirun"):
     path = path_with(bindir, environ.get("PATH", ""))
     if path:
         env["PATH"] = path
-    set_here = {**_tunable_env(config)}
+    set_here = {**_rank_env(environ), **_tunable_env(config)}
     if config.network_interfaces:
         set_here["NCCL_SOCKET_IFNAME"] = ",".join(config.network_interfaces)
     set_here.update(_exports_env(config))
@@ -237,7 +249,7 @@ def srun_command(config, environ, bindir="", program="srun"):
     the others waiting for it forever.
     """
     argv = [program, "--mpi=pmix", "-n", str(config.np), "--kill-on-bad-exit=1"]
-    env = _tunable_env(config)
+    env = {**_rank_env(environ), **_tunable_env(config)}
     if config.network_interfaces:
         nics = ",".join(config.network_interfaces)
         env.update(NCCL_SOCKET_IFNAME=nics, OMPI_MCA_btl_tcp_if_include=nics)

@@ -9,18 +9,21 @@ For each host it runs a small probe, locally for localhost/127.0.0.1/this host's
 otherwise over `ssh -o BatchMode=yes -o ConnectTimeout=5 host PYTHON -c ...` (PYTHON is
 the launcher's own `sys.executable` unless `--python` is given). The probe never imports
 TensorFlow: it reads versions with `importlib.metadata`, runs `horovodrun --check-build`
-(as `PYTHON -m horovod.runner.launch --check-build`) and counts `/dev/nvidia[0-9]*`
-(or `nvidia-smi -L`). Then it prints one line per host::
+(as `PYTHON -m horovod.runner.launch --check-build`; frameworks count as built only when
+their extension library exists, since --check-build claims PyTorch whenever
+`horovod.torch` imports) and counts `/dev/nvidia[0-9]*` (or `nvidia-smi -L`). Then it
+prints one line per host::
 
-    launch host vm: ok (Python 3.11.2, TensorFlow 2.15.1, Horovod 0.28.1 [TensorFlow Gloo MPI], ...)
-    node1: ok (Python 3.11.2, TensorFlow 2.15.1, Horovod 0.28.1 [TensorFlow Gloo MPI], ...)
+    launch host vm: ok (Python 3.12.1, TensorFlow 2.21.0 (tf-keras 2.21.0), Horovod 0.28.1 [...
+    node1: ok (Python 3.12.1, TensorFlow 2.21.0 (tf-keras 2.21.0), Horovod 0.28.1 [TensorF...
     node2: problem: Horovod 0.28.0 (launch host: 0.28.1); Horovod built without MPI
     doctor: problem on 1 of 3 hosts (node2)
 
-and exits 1 when any host has a problem: unreachable, a package missing, Horovod built
-without TensorFlow, Gloo or MPI, a hostname that does not resolve (Horovod's Gloo
-crashes on it), versions that differ from the launch host (Python by
-major.minor; TensorFlow, Horovod and hvdtrain exactly), or more slots than GPUs.
+and exits 1 when any host has a problem: unreachable, a package missing (tf-keras too, from
+TensorFlow 2.16 on), Horovod built without TensorFlow, Gloo or MPI, a hostname that does
+not resolve (Horovod's Gloo crashes on it), versions that differ from the launch host
+(Python by major.minor; TensorFlow, tf-keras, Horovod and hvdtrain exactly), or more slots
+than GPUs.
 """
 
 import base64
@@ -29,6 +32,7 @@ import json
 import shlex
 import subprocess
 
+from hvdtrain.compat import keras_problem
 from hvdtrain.launcher.hosts import is_local
 
 __all__ = [
@@ -52,7 +56,8 @@ PACKAGES = (("tensorflow", "TensorFlow"), ("horovod", "Horovod"), ("hvdtrain", "
 
 # Runs on every host under the Python that will train there; standard library only.
 PROBE = r"""
-import glob, importlib.metadata as md, json, platform, re, shutil, socket, subprocess, sys
+import glob, importlib.metadata as md, importlib.util, json, os, platform, re, shutil, socket
+import subprocess, sys
 
 def version(*names):
     for name in names:
@@ -67,6 +72,7 @@ report = {
     "executable": sys.executable,
     "python": platform.python_version(),
     "tensorflow": version("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "intel-tensorflow"),
+    "tf_keras": version("tf-keras", "tf_keras"),
     "horovod": version("horovod"),
     "hvdtrain": version("hvdtrain"),
     "build": {},
@@ -99,6 +105,14 @@ if report["horovod"]:
             report["check_build_error"] = f"exit {out.returncode}: {tail[:200]}"
     except (OSError, subprocess.SubprocessError) as e:
         report["check_build_error"] = str(e)[:200]
+    # --check-build counts a framework as built when `import horovod.torch` works, which it
+    # can with no PyTorch extension: a framework is built when its extension library exists.
+    spec = importlib.util.find_spec("horovod")
+    where = list(spec.submodule_search_locations or []) if spec else []
+    for name, lib in (("TensorFlow", "tensorflow/mpi_lib"), ("PyTorch", "torch/mpi_lib_v2"),
+                      ("MXNet", "mxnet/mpi_lib")):
+        if report["build"] and where:
+            report["build"][name] = bool(glob.glob(os.path.join(where[0], lib + "*.so")))
 print("__MARKER__" + json.dumps(report))
 """
 
@@ -185,6 +199,14 @@ def host_problems(report, reference=None, slots=None):
             mine, theirs = report.get(key), reference.get(key)
             if mine and theirs and mine != theirs:
                 problems.append(f"{label} {mine} (launch host: {theirs})")
+    tf_version, has_tf_keras = report.get("tensorflow"), bool(report.get("tf_keras"))
+    keras = tf_version and keras_problem(tf_version, has_tf_keras, None, None, None)
+    if keras:
+        problems.append(keras)
+    if reference and not reference.get("error"):
+        mine, theirs = report.get("tf_keras"), reference.get("tf_keras")
+        if mine != theirs and (mine or theirs):
+            problems.append(f"tf-keras {mine or 'missing'} (launch host: {theirs or 'missing'})")
     if report.get("horovod"):
         if report.get("check_build_error"):
             problems.append(f"horovodrun --check-build failed: {report['check_build_error']}")
@@ -208,7 +230,8 @@ def summary(report, slots=None):
     built = " ".join(name for name, yes in report.get("build", {}).items() if yes)
     parts = [
         f"Python {report.get('python')}",
-        f"TensorFlow {report.get('tensorflow')}",
+        f"TensorFlow {report.get('tensorflow')}"
+        + (f" (tf-keras {report['tf_keras']})" if report.get("tf_keras") else ""),
         f"Horovod {report.get('horovod')} [{built}]",
         f"hvdtrain {report.get('hvdtrain')}",
         _count(report.get("gpus", 0), "GPU"),

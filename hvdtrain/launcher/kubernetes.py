@@ -51,6 +51,9 @@ spec:
               image: $image
               securityContext:
                 runAsUser: 1000  # the image's user hvd
+              env:
+                - name: TF_USE_LEGACY_KERAS  # Keras 2 for tf.keras: Horovod has no Keras 3 path
+                  value: "1"
               # mpirun -np $np over the operator's hostfile ($hostfile)
               command: $command
     Worker:
@@ -62,6 +65,9 @@ spec:
               image: $image
               securityContext:
                 runAsUser: 1000
+              env:
+                - name: TF_USE_LEGACY_KERAS  # the ranks also get it from mpirun's -x
+                  value: "1"
               # sshd on port 2222 as hvd; the launcher's mpirun starts the ranks through it
               command: ["/usr/sbin/sshd", "-De", "-f", "/home/hvd/.sshd_config"]
               resources:

@@ -1,0 +1,77 @@
+"""Which Keras `tf.keras` is: hvdtrain and Horovod need Keras 2.
+
+From TensorFlow 2.16 on, `tf.keras` is Keras 3 unless the environment variable
+`TF_USE_LEGACY_KERAS=1` is set when `tf.keras` is first used; then it is Keras 2 from the
+`tf-keras` package. Horovod has no Keras 3 path (its callbacks and optimizer wrapper fail
+inside `fit`), so hvdtrain sets the variable when it is imported (`hvdtrain/__init__.py`),
+and the launcher passes it to every rank. This module checks the outcome and turns a wrong
+Keras into one clear error instead of a Horovod traceback::
+
+    import tensorflow as tf
+    tf.keras.layers.Dense(1)   # Keras 3 is now fixed for this process
+    import hvdtrain
+    hvdtrain.init()            # HvdtrainError: tf.keras is Keras 3 ... set TF_USE_LEGACY_KERAS=1
+"""
+
+import importlib.util
+import os
+import sys
+
+from hvdtrain.errors import HvdtrainError
+
+__all__ = ["keras_problem", "require_keras2"]
+
+_FIX = (
+    "Set TF_USE_LEGACY_KERAS=1 in the environment before Python starts (or import hvdtrain "
+    "before tensorflow)"
+)
+
+
+def keras_problem(tf_version, has_tf_keras, keras_module, keras_version, legacy_env):
+    """What is wrong with this TensorFlow/Keras pairing for Horovod, or None (pure).
+
+    Args:
+        tf_version: `tf.__version__`.
+        has_tf_keras: whether the `tf_keras` package is installed.
+        keras_module: the top-level package `tf.keras` resolved to ("tf_keras", "keras"),
+            or None when it was not looked at (it needs `has_tf_keras` first).
+        keras_version: that package's `__version__`.
+        legacy_env: the value of TF_USE_LEGACY_KERAS (None when unset).
+    """
+    major_minor = tuple(int(p) for p in tf_version.split(".")[:2] if p.isdigit())
+    if major_minor < (2, 16):
+        return None  # tf.keras is Keras 2 itself
+    pin = f"tf-keras=={'.'.join(map(str, major_minor))}.*"
+    if not has_tf_keras:
+        return (
+            f"TensorFlow {tf_version} needs Keras 2 from the tf-keras package for Horovod, and "
+            f"it is not installed: pip install --no-deps '{pin}' (--no-deps: it requires "
+            "`tensorflow`, which would install the full wheel beside tensorflow-cpu)"
+        )
+    if keras_module == "keras" and str(keras_version).startswith("3"):
+        why = f"TF_USE_LEGACY_KERAS={legacy_env}" if legacy_env is not None else "it was unset"
+        return (
+            f"tf.keras is Keras {keras_version} in this process ({why} when TensorFlow first "
+            "used tf.keras); Horovod and hvdtrain need Keras 2 (tf_keras). "
+            f"{_FIX}, and use tf.keras throughout."
+        )
+    return None
+
+
+def require_keras2():
+    """Raises `HvdtrainError` unless `tf.keras` is Keras 2 (a no-op once it passed)."""
+    if getattr(require_keras2, "passed", False):
+        return
+    import tensorflow as tf
+
+    has_tf_keras = importlib.util.find_spec("tf_keras") is not None
+    module = version = None
+    if has_tf_keras:  # else tf.keras would fail to load (TF >= 2.16) or is Keras 2 (older)
+        module = tf.keras.layers.Layer.__module__.split(".")[0]
+        version = getattr(sys.modules.get(module), "__version__", None)
+    problem = keras_problem(
+        tf.__version__, has_tf_keras, module, version, os.environ.get("TF_USE_LEGACY_KERAS")
+    )
+    if problem:
+        raise HvdtrainError(problem)
+    require_keras2.passed = True

@@ -1,0 +1,74 @@
+"""Keras 2 for tf.keras: hvdtrain sets it up, and a wrong Keras is one clear error."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvdtrain.compat import keras_problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_old_tensorflow_needs_nothing():
+    assert keras_problem("2.15.1", False, None, None, None) is None
+
+
+def test_new_tensorflow_needs_tf_keras():
+    problem = keras_problem("2.21.0", False, None, None, "1")
+    assert "pip install --no-deps 'tf-keras==2.21.*'" in problem
+
+
+def test_keras3_as_tf_keras_names_the_fix():
+    problem = keras_problem("2.21.0", True, "keras", "3.15.1", None)
+    assert "tf.keras is Keras 3.15.1" in problem and "it was unset" in problem
+    assert "TF_USE_LEGACY_KERAS=1" in problem
+    assert keras_problem("2.21.0", True, "keras", "3.15.1", "0").count("TF_USE_LEGACY_KERAS=0")
+
+
+def test_tf_keras_is_fine():
+    assert keras_problem("2.21.0", True, "tf_keras", "2.21.0", "1") is None
+
+
+def run_script(tmp_path, source, **env):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    environ = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT, **env)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
+    )
+
+
+def test_importing_hvdtrain_gives_keras2_even_after_tensorflow(tmp_path):
+    """The usual order of a user's imports (tensorflow, then hvdtrain), nothing set in the
+    environment: tf.keras is resolved on first use, after hvdtrain set the variable."""
+    proc = run_script(
+        tmp_path,
+        "import tensorflow as tf\nimport hvdtrain\n"
+        "print('KERAS', tf.keras.layers.Dense.__module__.split('.')[0])\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "KERAS tf_keras" in proc.stdout or "KERAS keras" in proc.stdout  # 2.15: keras 2
+
+
+@pytest.mark.parametrize("legacy", [None, "0"])
+def test_keras3_fixed_before_hvdtrain_is_one_clear_error(tmp_path, legacy):
+    """A script that used tf.keras (Keras 3) before importing hvdtrain, or that turned the
+    variable off: one line naming the fix, no traceback (Horovod's or ours), exit 1."""
+    import tensorflow as tf
+
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 16):
+        pytest.skip(f"TensorFlow {tf.__version__}: tf.keras is always Keras 2")
+    env = {} if legacy is None else {"TF_USE_LEGACY_KERAS": legacy}
+    proc = run_script(
+        tmp_path,
+        "import tensorflow as tf\ntf.keras.layers.Dense(1)\nimport hvdtrain\nhvdtrain.init()\n",
+        **env,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: tf.keras is Keras 3"), lines
+    assert "Set TF_USE_LEGACY_KERAS=1" in lines[0]
+    assert "Traceback" not in proc.stderr
