@@ -21,13 +21,14 @@ import os
 
 __version__ = "0.1.0"
 
+from hvdtrain import compat  # noqa: E402  (standard library only; no TensorFlow)
+from hvdtrain.errors import report_uncaught  # noqa: E402
+
 # Keras 2 (tf_keras) for tf.keras from TensorFlow 2.16 on: Horovod has no Keras 3 path. It must
 # be set before TensorFlow is imported, so here, before any module of ours imports it (it also
 # reaches every process the launcher starts). `hvdtrain.compat` explains a wrong Keras.
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
-from hvdtrain.errors import report_uncaught  # noqa: E402  (after the variable above)
-
+if compat.legacy_keras_needed(compat.tensorflow_version()):
+    os.environ.setdefault(compat.LEGACY_KERAS, "1")
 report_uncaught()  # a user mistake in a script prints one line, not a traceback
 
 _EXPORTS = {

@@ -4,8 +4,10 @@ From TensorFlow 2.16 on, `tf.keras` is Keras 3 unless the environment variable
 `TF_USE_LEGACY_KERAS=1` is set when `tf.keras` is first used; then it is Keras 2 from the
 `tf-keras` package. Horovod has no Keras 3 path (its callbacks and optimizer wrapper fail
 inside `fit`), so hvdtrain sets the variable when it is imported (`hvdtrain/__init__.py`),
-and the launcher passes it to every rank. This module checks the outcome and turns a wrong
-Keras into one clear error instead of a Horovod traceback::
+and the launcher passes it to every rank, both only where the installed TensorFlow is 2.16
+or newer (`legacy_keras_needed`: on TensorFlow 2.15 the variable asks for a tf_keras that
+is not there and breaks tf.keras). This module checks the outcome and turns a wrong Keras
+into one clear error instead of a Horovod traceback::
 
     import tensorflow as tf
     tf.keras.layers.Dense(1)   # Keras 3 is now fixed for this process
@@ -13,13 +15,51 @@ Keras into one clear error instead of a Horovod traceback::
     hvdtrain.init()            # HvdtrainError: tf.keras is Keras 3 ... set TF_USE_LEGACY_KERAS=1
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
 
 from hvdtrain.errors import HvdtrainError
 
-__all__ = ["keras_problem", "require_keras2"]
+__all__ = [
+    "LEGACY_KERAS",
+    "tensorflow_version",
+    "legacy_keras_needed",
+    "keras_problem",
+    "require_keras2",
+]
+
+LEGACY_KERAS = "TF_USE_LEGACY_KERAS"
+_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "intel-tensorflow")
+
+
+def _minor(version):
+    """(2, 21) from '2.21.0'; () for text that is not a version."""
+    parts = []
+    for p in str(version).split(".")[:2]:
+        if not p.isdigit():
+            break
+        parts.append(int(p))
+    return tuple(parts)
+
+
+def tensorflow_version():
+    """The installed TensorFlow's version, read from package metadata (TensorFlow is not
+    imported), or None when there is none."""
+    for name in _TF_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def legacy_keras_needed(tf_version):
+    """Whether TF_USE_LEGACY_KERAS=1 is needed (TensorFlow >= 2.16) and safe (pure). An
+    unknown version (no TensorFlow here, e.g. a launch host) counts as new."""
+    return tf_version is None or _minor(tf_version) >= (2, 16)
+
 
 _FIX = (
     "Set TF_USE_LEGACY_KERAS=1 in the environment before Python starts (or import hvdtrain "
@@ -38,10 +78,9 @@ def keras_problem(tf_version, has_tf_keras, keras_module, keras_version, legacy_
         keras_version: that package's `__version__`.
         legacy_env: the value of TF_USE_LEGACY_KERAS (None when unset).
     """
-    major_minor = tuple(int(p) for p in tf_version.split(".")[:2] if p.isdigit())
-    if major_minor < (2, 16):
+    if not legacy_keras_needed(tf_version):
         return None  # tf.keras is Keras 2 itself
-    pin = f"tf-keras=={'.'.join(map(str, major_minor))}.*"
+    pin = f"tf-keras=={'.'.join(map(str, _minor(tf_version)))}.*"
     if not has_tf_keras:
         return (
             f"TensorFlow {tf_version} needs Keras 2 from the tf-keras package for Horovod, and "
@@ -70,7 +109,7 @@ def require_keras2():
         module = tf.keras.layers.Layer.__module__.split(".")[0]
         version = getattr(sys.modules.get(module), "__version__", None)
     problem = keras_problem(
-        tf.__version__, has_tf_keras, module, version, os.environ.get("TF_USE_LEGACY_KERAS")
+        tf.__version__, has_tf_keras, module, version, os.environ.get(LEGACY_KERAS)
     )
     if problem:
         raise HvdtrainError(problem)

@@ -15,7 +15,19 @@ set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
-export TF_USE_LEGACY_KERAS=1
+# Keras 2 (tf_keras) for tf.keras from TensorFlow 2.16 on; on older ones the variable would ask
+# for a tf_keras that is not installed.
+tf_version=$("$PYTHON" -c 'import importlib.metadata as m
+for n in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "intel-tensorflow"):
+    try:
+        print(m.version(n)); break
+    except m.PackageNotFoundError:
+        pass' 2>/dev/null || true)
+[ -n "$tf_version" ] || { echo "install_horovod: error: no TensorFlow installed for $PYTHON; install it first" >&2; exit 1; }
+case "$tf_version" in
+  1.* | 2.[0-9].* | 2.1[0-5].*) ;;
+  *) export TF_USE_LEGACY_KERAS=1 ;;
+esac
 HOROVOD_VERSION=0.28.1
 SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -17,6 +17,7 @@
 # without its `tensorflow` requirement, which would pull the full wheel beside tensorflow-cpu)
 # -> Horovod built from source with hvdtrain's patch (launch/install_horovod.sh) -> hvdtrain.
 set -euo pipefail
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}  # TensorFlow start-up noise off
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -26,7 +27,8 @@ tf_version=${TF_VERSION:-2.21.0}
 die() { echo "setup_host: error: $*" >&2; exit 1; }
 
 case "$tf_version" in
-  2.21.0) constraints=constraints.txt pythons=(3.13 3.12 3.11) keras=(tf-keras==2.21.0) ;;
+  2.21.0) constraints=constraints.txt pythons=(3.13 3.12 3.11) keras=(tf-keras==2.21.0)
+          export TF_USE_LEGACY_KERAS=1 ;;  # Keras 2 for tf.keras (see hvdtrain/compat.py)
   2.15.1) constraints=launch/constraints-tf2.15.1.txt pythons=(3.11) keras=() ;;
   *) die "Invalid value for \`TF_VERSION\`: received '$tf_version'; expected 2.21.0 (the default) or 2.15.1" ;;
 esac
@@ -64,7 +66,7 @@ fi
 # The stamp: the set-up's inputs, the stack and the interpreter's version.
 fingerprint() { { cat "${inputs[@]}"; echo "$tf_version"; "$venv/bin/python" -V; } | sha256sum; }
 if [ -f "$stamp" ] && [ -x "$venv/bin/python" ] && [ "$(fingerprint)" = "$(cat "$stamp")" ] \
-   && TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
+   && "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
   exit 0
 fi
 
@@ -108,7 +110,7 @@ quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel 
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
 quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
-TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -c 'import numpy, tensorflow, horovod.tensorflow.keras, mpi4py, hvdtrain' \
+"$venv/bin/python" -c 'import numpy, tensorflow, horovod.tensorflow.keras, mpi4py, hvdtrain' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"
 echo "setup_host: ready ($venv: $("$venv/bin/python" -V), TensorFlow $tf_version)"

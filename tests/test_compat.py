@@ -6,13 +6,16 @@ import sys
 
 import pytest
 
-from hvdtrain.compat import keras_problem
+from hvdtrain.compat import keras_problem, legacy_keras_needed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_old_tensorflow_needs_nothing():
     assert keras_problem("2.15.1", False, None, None, None) is None
+    assert not legacy_keras_needed("2.15.1")  # the variable would break its tf.keras
+    assert legacy_keras_needed("2.16.0") and legacy_keras_needed("2.21.0rc1")
+    assert legacy_keras_needed(None)  # no TensorFlow here (a launch host): the ranks' is new
 
 
 def test_new_tensorflow_needs_tf_keras():

@@ -54,6 +54,9 @@ def test_keras2_reaches_every_rank_and_the_users_value_wins(backend):
     assert "TF_USE_LEGACY_KERAS=1" not in argv
     if backend == "mpirun":
         assert argv[argv.index("TF_USE_LEGACY_KERAS") - 1] == "-x"
+    # TensorFlow 2.15 (the CLI reads the version): the variable would break tf.keras there.
+    argv, env = build_command(config(backend, keras2=False), ENV, uid=1000)
+    assert "TF_USE_LEGACY_KERAS" not in env and "TF_USE_LEGACY_KERAS=1" not in argv
 
 
 def test_horovodrun_options_and_venv_path():

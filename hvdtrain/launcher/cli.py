@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 
+from hvdtrain import compat
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.launcher import doctor, elastic, kubernetes
 from hvdtrain.launcher.commands import (
@@ -295,6 +296,7 @@ def make_config(args, environ):
         ssh_identity_file=args.ssh_identity_file,
         exports=args.exports,
         mpi_args=args.mpi_args,
+        keras2=compat.legacy_keras_needed(compat.tensorflow_version()),
     )
 
 

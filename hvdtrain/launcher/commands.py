@@ -18,9 +18,9 @@ transports (`-mca pml ob1 -mca btl ^openib`; pass `--mpi-args` for UCX/InfiniBan
 `-x NAME` for every variable the ranks need that is set here: PATH, LD_LIBRARY_PATH,
 PYTHONPATH, VIRTUAL_ENV, PYTHONUNBUFFERED and all HOROVOD_*, HVDTRAIN_*, NCCL_*, TF_*
 (never Horovod's private `_HOROVOD_SECRET_KEY`). Horovod tunables become horovodrun flags
-or HOROVOD_* variables (`TUNABLES`). Every backend sets `TF_USE_LEGACY_KERAS=1` for the
-ranks unless the environment sets it (`RANK_ENV`: Keras 2 for tf.keras on TensorFlow >= 2.16;
-plain mpirun gets it as `-x`, since across hosts it forwards nothing else).
+or HOROVOD_* variables (`TUNABLES`). With TensorFlow >= 2.16 every backend sets
+`TF_USE_LEGACY_KERAS=1` for the ranks unless the environment sets it (`RANK_ENV`: Keras 2
+for tf.keras; plain mpirun gets it as `-x`, since across hosts it forwards nothing else).
 
 The directory of the launching Python (the virtualenv's bin) is put first on PATH, so
 `python` in the command is the launcher's Python on every rank, as after `source activate`.
@@ -61,9 +61,9 @@ __all__ = [
 ]
 
 BACKENDS = ("gloo", "mpi", "mpirun", "srun")
-# What every rank needs whatever the user's environment says: Keras 2 for tf.keras from
-# TensorFlow 2.16 on (Horovod has no Keras 3 path; see `hvdtrain.compat`). A value the user
-# set wins, so that a wrong one fails with hvdtrain's clear error rather than silently.
+# What every rank needs whatever the user's environment says (`LaunchConfig.keras2`): Keras 2
+# for tf.keras from TensorFlow 2.16 on (Horovod has no Keras 3 path; see `hvdtrain.compat`).
+# A value the user set wins, so that a wrong one fails with hvdtrain's clear error.
 RANK_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
 EXPORTED_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "NCCL_", "TF_")
@@ -112,6 +112,8 @@ class LaunchConfig:
         exports: (name, value or None) pairs to set on every rank; None forwards the
             launcher's own value.
         mpi_args: extra mpirun arguments, already split (backends mpi and mpirun).
+        keras2: set `RANK_ENV` on every rank (TensorFlow >= 2.16; on 2.15 it would break
+            tf.keras); the CLI reads the local TensorFlow's version.
     """
 
     backend: str
@@ -124,6 +126,7 @@ class LaunchConfig:
     ssh_identity_file: str | None = None
     exports: tuple = ()
     mpi_args: tuple = ()
+    keras2: bool = True
 
 
 def program_for(backend):
@@ -174,9 +177,10 @@ def _exports_env(config):
     return {name: value for name, value in config.exports if value is not None}
 
 
-def _rank_env(environ):
-    """`RANK_ENV`'s variables that `environ` does not set already."""
-    return {name: value for name, value in RANK_ENV.items() if name not in environ}
+def _rank_env(config, environ):
+    """`RANK_ENV`'s variables that `environ` does not set already (none unless `keras2`)."""
+    wanted = RANK_ENV if config.keras2 else {}
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def horovodrun_command(config, environ, bindir="", program="horovodrun"):
@@ -192,7 +196,7 @@ def horovodrun_command(config, environ, bindir="", program="horovodrun"):
         argv += ["-i", config.ssh_identity_file]
     if config.mpi_args:
         argv.append("--mpi-args=" + shlex.join(config.mpi_args))
-    env = {**_rank_env(environ), **_exports_env(config)}  # horovodrun passes its env on
+    env = {**_rank_env(config, environ), **_exports_env(config)}  # horovodrun passes its env on
     path = path_with(bindir, environ.get("PATH", ""))
     if path:
         env["PATH"] = path
@@ -227,7 +231,7 @@ def mpirun_command(config, environ, uid, bindir="", program="mpirun"):
     path = path_with(bindir, environ.get("PATH", ""))
     if path:
         env["PATH"] = path
-    set_here = {**_rank_env(environ), **_tunable_env(config)}
+    set_here = {**_rank_env(config, environ), **_tunable_env(config)}
     if config.network_interfaces:
         set_here["NCCL_SOCKET_IFNAME"] = ",".join(config.network_interfaces)
     set_here.update(_exports_env(config))
@@ -249,7 +253,7 @@ def srun_command(config, environ, bindir="", program="srun"):
     the others waiting for it forever.
     """
     argv = [program, "--mpi=pmix", "-n", str(config.np), "--kill-on-bad-exit=1"]
-    env = {**_rank_env(environ), **_tunable_env(config)}
+    env = {**_rank_env(config, environ), **_tunable_env(config)}
     if config.network_interfaces:
         nics = ",".join(config.network_interfaces)
         env.update(NCCL_SOCKET_IFNAME=nics, OMPI_MCA_btl_tcp_if_include=nics)
