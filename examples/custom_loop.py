@@ -66,6 +66,7 @@ model = tf.keras.Sequential(
 # size x --lr over the first epoch (a warmup keeps the first steps stable).
 opt = tf.keras.optimizers.Adam(hvdtrain.WarmupSchedule(args.lr, size, steps))
 loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+model.compile(opt, loss_fn, ["accuracy"])  # the loss and metrics that evaluation reports
 
 
 @tf.function
@@ -86,10 +87,10 @@ start_epoch, manager = 0, None
 if args.checkpoint_dir:
     manager = hvdtrain.CheckpointManager(args.checkpoint_dir, model, opt)
     opt.build(model.trainable_variables)  # the optimizer's slots, so a checkpoint can fill them
-    found = manager.latest() if main_process else None  # Horovod: rank 0 reads the checkpoint
-    if found:
-        start_epoch = manager.restore(found[1], found[2])
-    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0)  # Horovod: tell the others
+    found = manager.restore_latest() if main_process else None  # Horovod: rank 0 reads it
+    start_epoch = hvd.broadcast_object(
+        found.epoch if found else 0, root_rank=0
+    )  # Horovod: tell all
 # Horovod: every rank starts from rank 0's weights and optimizer state (fresh or restored).
 # Horovod's own examples broadcast after the first step instead, because Keras creates the
 # optimizer's slots in that step; broadcast_initial_state creates them first, so the very

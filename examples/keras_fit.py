@@ -69,7 +69,7 @@ loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 model.compile(opt, loss=loss, metrics=["accuracy"])
 hvdtrain.broadcast_initial_state(model, opt)  # Horovod: all start from rank 0's weights
 
-callbacks = [hvdtrain.MetricAverageCallback(steps * args.batch)]  # Horovod: mean of ranks
+callbacks = [hvdtrain.MetricAverageCallback()]  # Horovod: mean of ranks
 if main_process and args.checkpoint_dir:
     path = os.path.join(args.checkpoint_dir, "epoch-{epoch:02d}.weights.h5")
     callbacks.append(tf.keras.callbacks.ModelCheckpoint(path, save_weights_only=True))

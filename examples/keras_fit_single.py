@@ -79,7 +79,7 @@ history = model.fit(
 )
 
 result = model.evaluate(x_test, y_test, batch_size=256, verbose=0, return_dict=True)
-ranks = [{"rank": 0, "weights_sha256": hvdtrain.weights_digest(model)}]  # a weights fingerprint
+ranks = [{"rank": 0, "weights_digest": hvdtrain.weights_digest(model)}]  # a weights fingerprint
 if main_process:
     print(f"test loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}")
     if args.metrics_json:

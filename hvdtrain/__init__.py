@@ -1,19 +1,23 @@
 """hvdtrain: Horovod data-parallel training for TensorFlow/Keras.
 
-A single-device Keras script becomes distributed with a few calls::
+A single-device Keras script becomes distributed with one call, its model compiled as for
+one device and its data in any form (arrays, a tf.data pipeline, TFRecord or other files)::
 
     import hvdtrain
-    hvdtrain.init()                                       # hvd.init, GPU pinning, threads
-    ds = hvdtrain.train_dataset(x, y, batch, hvd.rank(), hvd.size())  # shard first
-    opt = hvdtrain.distributed_optimizer(
-        tf.keras.optimizers.Adam(hvdtrain.WarmupSchedule(lr, hvd.size(), warmup_steps)))
-    model.compile(opt, ...)
-    hvdtrain.broadcast_initial_state(model, opt)          # identical start on every rank
 
-and is launched with `horovodrun -np 4 python train.py` or `mpirun -np 4 python train.py`.
+    args = hvdtrain.ArgumentParser(epochs=10).parse_args()   # --checkpoint-dir, --elastic, ...
+    hvdtrain.fit(build_model, hvdtrain.FileData("data/*.tfrecord", parse), args)
+
+launched with `horovodrun -np 4 python train.py`, `mpirun -np 4 python train.py` or
+`hvdtrain-run --hostfile hosts.txt -- python train.py`. The building blocks of the recipe
+(`init`, `train_dataset`, `distributed_optimizer`, `broadcast_initial_state`, ...) are
+here too, for loops of your own.
 
 Importing `hvdtrain` does not import TensorFlow: the names below load their module on
-first use, so the launcher (`hvdtrain.launcher`) starts fast and never touches a GPU.
+first use, so the launcher (`hvdtrain.launcher`) starts fast and never touches a GPU. It
+sets TF_USE_LEGACY_KERAS=1 (Keras 2 for tf.keras; see `hvdtrain.compat`), turns
+TensorFlow's start-up log noise off (TF_CPP_MIN_LOG_LEVEL=2 unless set), and makes an
+uncaught `HvdtrainError` print one line and exit 2, like the entry points.
 """
 
 import importlib
@@ -29,9 +33,28 @@ from hvdtrain.errors import report_uncaught  # noqa: E402
 # reaches every process the launcher starts). `hvdtrain.compat` explains a wrong Keras.
 if compat.legacy_keras_needed(compat.tensorflow_version()):
     os.environ.setdefault(compat.LEGACY_KERAS, "1")
+# TensorFlow's start-up noise (oneDNN, CPU features, absl) off unless asked for: set
+# TF_CPP_MIN_LOG_LEVEL=0 to see it again. Errors still show.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 report_uncaught()  # a user mistake in a script prints one line, not a traceback
 
 _EXPORTS = {
+    # the recipe
+    "fit": "trainer",
+    "ArgumentParser": "flags",
+    "TrainConfig": "flags",
+    # data
+    "Data": "data",
+    "ArrayData": "data",
+    "DatasetData": "data",
+    "FileData": "records",
+    "Placement": "data",
+    "shard_indices": "data",
+    "steps_per_epoch": "data",
+    "train_dataset": "data",
+    "eval_dataset": "data",
+    "load_mnist": "datasets",
+    # set-up
     "HvdtrainError": "errors",
     "init": "runtime",
     "is_main_process": "runtime",
@@ -40,10 +63,9 @@ _EXPORTS = {
     "agree": "runtime",
     "rank_report": "runtime",
     "weights_digest": "runtime",
-    "shard_indices": "data",
-    "steps_per_epoch": "data",
-    "train_dataset": "data",
-    "eval_dataset": "data",
+    "get_logger": "logs",
+    "compile_options": "tuning",
+    # optimisation
     "scaled_lr": "optim",
     "warmup_lr": "optim",
     "WarmupSchedule": "optim",
@@ -51,18 +73,20 @@ _EXPORTS = {
     "fp16_compression": "optim",
     "broadcast_initial_state": "optim",
     "average_model_state": "optim",
-    "ModelStateAverageCallback": "callbacks",
+    # metrics
     "weighted_mean": "metrics",
     "evaluate": "metrics",
     "MetricAverageCallback": "metrics",
-    "CheckpointManager": "checkpoint",
+    # callbacks
+    "ModelStateAverageCallback": "callbacks",
     "CheckpointCallback": "callbacks",
+    "ProgressCallback": "callbacks",
     "ThroughputCallback": "callbacks",
     "Watchdog": "watchdog",
     "WatchdogCallback": "watchdog",
-    "compile_options": "tuning",
-    "load_mnist": "datasets",
-    "get_logger": "logs",
+    # files
+    "CheckpointManager": "checkpoint",
+    "Manifest": "checkpoint",
     "write_json": "files",
     "export_model": "files",
 }

@@ -1,13 +1,17 @@
 """Keras callbacks that know about ranks: checkpoints on rank 0, throughput, logs."""
 
 import logging
+import sys
 import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdtrain.errors import invalid_value
+
 __all__ = [
     "CheckpointCallback",
+    "ProgressCallback",
     "ThroughputCallback",
     "ModelStateAverageCallback",
     "rank0_callbacks",
@@ -18,37 +22,60 @@ log = logging.getLogger("hvdtrain")
 
 class CheckpointCallback(tf.keras.callbacks.Callback):
     """Saves a checkpoint at the end of every epoch (and every `every_steps` steps), on
-    rank 0 only.
+    rank 0 only, labelled with the real step whatever `steps_per_execution` is.
 
     Args:
         manager: a `hvdtrain.CheckpointManager`.
-        extra: fields to record in each checkpoint's manifest (e.g. size, batch).
+        fields: `Manifest` fields to record (size, global_batch, steps_per_epoch, prog, data).
         steps_per_epoch: steps in a full epoch (needed with `every_steps`).
-        every_steps: also save mid-epoch every this many global steps (0 = epoch ends only).
+        every_steps: also save mid-epoch when a multiple of this many global steps has
+            passed (0 = epoch ends only); with several steps per execution, at the end of
+            the execution that passed it. Every rank averages the model's non-trainable
+            state then (a collective: give this callback to every rank).
         start_step: the global step training starts from (after a resume).
     """
 
-    def __init__(self, manager, extra=None, steps_per_epoch=None, every_steps=0, start_step=0):
+    def __init__(self, manager, fields=None, steps_per_epoch=None, every_steps=0, start_step=0):
         super().__init__()
-        self.manager = manager
-        self.extra = extra or {}
-        self.steps_per_epoch = steps_per_epoch
-        self.every_steps = every_steps
-        self.global_step = start_step
+        if every_steps and not steps_per_epoch:
+            raise invalid_value("steps_per_epoch", steps_per_epoch, "steps with every_steps")
+        self.manager, self.fields = manager, dict(fields or {})
+        self.steps_per_epoch, self.every_steps = steps_per_epoch, every_steps
+        self.start_step = self.global_step = start_step
+        self._first = self._offset = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # `fit` numbers batches from where it started: mid-epoch after a resume.
+        self._first = epoch * (self.steps_per_epoch or 0)
+        self._offset = max(0, self.start_step - self._first) if self.steps_per_epoch else 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self.global_step += 1
-        if hvd.rank() != 0 or not self.every_steps or self.global_step % self.every_steps:
+        if not self.steps_per_epoch:
             return
-        epoch, step = divmod(self.global_step, self.steps_per_epoch)
-        if step:  # an epoch's last step is saved by on_epoch_end
-            path = self.manager.save(epoch, self.extra, step=step)
-            log.info("saved checkpoint %s (epoch %d, step %d)", path, epoch + 1, step)
+        before = self.global_step
+        step = self._offset + batch + 1  # steps done in this epoch (batch: the execution's last)
+        self.global_step = self._first + step
+        if not self.every_steps or step >= self.steps_per_epoch:
+            return  # an epoch's last step is saved by on_epoch_end
+        if self.global_step // self.every_steps > before // self.every_steps:
+            # Every rank: BatchNorm statistics averaged first, as at epoch ends, so that a
+            # resume from rank 0's checkpoint continues what every rank held (bitwise).
+            from hvdtrain.optim import average_model_state
+            from hvdtrain.watchdog import waiting
+
+            waiting("averaging BatchNorm statistics before a checkpoint, with the other ranks")
+            average_model_state(self.model)
+            if hvd.rank() == 0:
+                epoch = self.global_step // self.steps_per_epoch
+                path = self.manager.save(epoch, step=step, **self.fields)
+                log.info("saved checkpoint %s (epoch %d, step %d)", path, epoch + 1, step)
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.steps_per_epoch:
+            self.global_step = (epoch + 1) * self.steps_per_epoch
         if hvd.rank() != 0:
             return
-        path = self.manager.save(epoch + 1, {**self.extra, "logs": _floats(logs)})
+        path = self.manager.save(epoch + 1, **{**self.fields, "logs": _floats(logs)})
         log.info("saved checkpoint %s (epoch %d)", path, epoch + 1)
 
 
@@ -116,6 +143,98 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
         if not rates:
             return None
         return sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0]
+
+
+class ProgressCallback(tf.keras.callbacks.Callback):
+    """Rank 0's progress within each epoch: step, samples/s over all ranks, ETA, and the
+    epoch's (rank-averaged) metrics at its end. Put it after `MetricAverageCallback`.
+
+    On a terminal a bar redrawn in place; in a log a line every `seconds`:
+
+        hvdtrain: epoch 2/15: step 35/70 (50%), 2,150 samples/s, ETA 1 s, loss 0.4132
+        hvdtrain: epoch 2/15: 70 steps in 2.1 s, 2,133 samples/s; loss 0.4011 - accuracy 0.8788
+
+    Args:
+        epochs, steps_per_epoch, global_batch: of the run.
+        start_step: the global step training starts from (after a resume).
+        mode: "auto" (a bar when `stream` is a terminal, else lines), "bar", "lines", "off".
+        seconds: between lines; stream: where it writes (stderr).
+    """
+
+    def __init__(
+        self,
+        epochs,
+        steps_per_epoch,
+        global_batch,
+        start_step=0,
+        mode="auto",
+        seconds=30.0,
+        stream=None,
+    ):
+        super().__init__()
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.mode, self.seconds = mode, seconds
+        self.epochs, self.steps, self.global_batch = epochs, steps_per_epoch, global_batch
+        self.start_step = start_step
+        self._shown = 0.0
+
+    def _write(self, text):
+        self.stream.write(text)
+        self.stream.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._done = epoch, 0
+        self._offset = max(0, self.start_step - epoch * self.steps)
+        self._start = self._shown = self._last = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.mode == "off" or hvd.rank() != 0:
+            return
+        self._done = batch + 1
+        now = self._last = time.perf_counter()
+        if now - self._shown < (0.1 if self.mode == "bar" else self.seconds):
+            return
+        if self._offset + self._done >= self.steps:
+            return  # the epoch's line follows
+        self._shown = now
+        step = self._offset + self._done
+        rate = self._done * self.global_batch / max(now - self._start, 1e-9)
+        eta = (self.steps - step) * self.global_batch / max(rate, 1e-9)
+        loss = f", loss {float(logs['loss']):.4f}" if logs and "loss" in logs else ""
+        head = f"epoch {self._epoch + 1}/{self.epochs}"
+        if self.mode == "bar":
+            filled = int(30 * step / self.steps)
+            bar = "=" * filled + (">" if filled < 30 else "") + " " * (29 - filled)
+            self._write(
+                f"\r{head} [{bar}] {step}/{self.steps} {rate:,.0f} samples/s "
+                f"ETA {eta:.0f} s{loss}\x1b[K"
+            )
+        else:
+            self._write(
+                f"hvdtrain: {head}: step {step}/{self.steps} ({step / self.steps:.0%}), "
+                f"{rate:,.0f} samples/s, ETA {eta:.0f} s{loss}\n"
+            )
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.mode == "off" or hvd.rank() != 0:
+            return
+        seconds = self._last - self._start  # the steps' time: not averaging, evaluation
+        rate = self._done * self.global_batch / max(seconds, 1e-9)
+        figures = " - ".join(f"{k} {_short(v)}" for k, v in (logs or {}).items())
+        end = "\r\x1b[K" if self.mode == "bar" else ""
+        self._write(
+            f"{end}hvdtrain: epoch {epoch + 1}/{self.epochs}: {self._done} steps in "
+            f"{seconds:.1f} s, {rate:,.0f} samples/s; {figures}\n"
+        )
+
+
+def _short(value):
+    try:
+        return f"{float(value):.4g}"
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def rank0_callbacks(log_dir=None):

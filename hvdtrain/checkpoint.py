@@ -2,9 +2,20 @@
 
 Layout of a checkpoint directory::
 
-    ckpt/epoch-0003/manifest.json   # epoch, model fingerprint, file sizes and SHA-256
+    ckpt/epoch-0003/manifest.json   # a `Manifest`: format, epoch, step, model, files' SHA-256
     ckpt/epoch-0003/state.index     # model weights + optimizer state (tf.train.Checkpoint)
     ckpt/epoch-0003/state.data-00000-of-00001
+
+Resuming in a loop of your own (`hvdtrain.fit` does all of this)::
+
+    manager = hvdtrain.CheckpointManager("ckpt", model, optimizer)
+    found = manager.restore_latest() if hvd.rank() == 0 else None    # rank 0 reads
+    found = hvd.broadcast_object(found, root_rank=0)                 # every rank learns where
+    hvdtrain.broadcast_initial_state(model, optimizer)               # and gets rank 0's state
+    start_epoch, start_step = (found.epoch, found.step) if found else (0, 0)
+    ...
+    if hvd.rank() == 0:
+        manager.save(epoch + 1)                                      # after each epoch
 
 A checkpoint is written into a hidden temporary folder and renamed into place only when
 complete, so a process killed mid-write leaves no `epoch-*` folder behind; the manifest is
@@ -12,6 +23,7 @@ checked on load, so a damaged one is skipped. Older checkpoints are deleted only
 the new one is in place.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,13 +38,87 @@ import tensorflow as tf
 
 from hvdtrain.errors import HvdtrainError
 
-__all__ = ["CheckpointManager", "model_fingerprint"]
+__all__ = ["CheckpointManager", "Manifest", "FORMAT", "model_fingerprint"]
 
 log = logging.getLogger("hvdtrain")
 # epoch-0003: after 3 epochs; epoch-0003-step-000050: 50 steps into the 4th epoch.
 _NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
-_FORMAT = 1
+FORMAT = 2  # written; 1 (hvdtrain 0.1's, the same fields less `data`) is read too
+_READABLE = (1, 2)
 _MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
+
+
+@dataclasses.dataclass
+class Manifest:
+    """What a checkpoint holds: `manifest.json`, written last and checked on load.
+
+    Args:
+        epoch: epochs completed before it; step: steps into the next one (0 at epoch ends).
+        files: {file name: [size, SHA-256]} of the state files.
+        fingerprint: the model's layers and weight shapes (`model_fingerprint`).
+        format: `FORMAT` when written; a checkpoint of another format is refused.
+        time, written_by: when and by which host and process.
+        size, global_batch, steps_per_epoch: the run that wrote it (for a resume on
+            another number of ranks).
+        prog: the program; logs: the epoch's metrics; data: what the data was.
+        extra: anything else the writer recorded.
+    """
+
+    epoch: int
+    files: dict
+    fingerprint: list
+    step: int = 0
+    format: int = FORMAT
+    time: float = 0.0
+    written_by: dict = dataclasses.field(default_factory=dict)
+    size: int | None = None
+    global_batch: int | None = None
+    steps_per_epoch: int | None = None
+    prog: str | None = None
+    logs: dict = dataclasses.field(default_factory=dict)
+    data: dict | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+    path: str | None = dataclasses.field(default=None, compare=False)  # where it was read
+
+    @property
+    def global_step(self):
+        """Steps completed in all (needs `steps_per_epoch`)."""
+        return self.epoch * (self.steps_per_epoch or 0) + self.step
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d.pop("path")
+        return d
+
+    @classmethod
+    def from_dict(cls, d, path=None):
+        """The manifest in `d` (parsed JSON); None when it is not one (damaged); raises
+        `HvdtrainError` for a format this hvdtrain does not read."""
+        if not isinstance(d, dict):
+            return None
+        version = d.get("format", 1)
+        if type(version) is not int or version not in _READABLE:
+            raise HvdtrainError(
+                f"Invalid checkpoint {path}: it has format {version!r}; this hvdtrain reads "
+                f"formats {', '.join(map(str, _READABLE))} (writes {FORMAT}). Use the hvdtrain "
+                "that wrote it, or a new --checkpoint-dir."
+            )
+        names = {f.name for f in dataclasses.fields(cls)} - {"path", "extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {
+            **(d.get("extra") or {}),
+            **{k: v for k, v in d.items() if k not in names | {"extra"}},
+        }
+        try:
+            m = cls(**known, extra=extra, path=path)
+        except TypeError:  # a required field missing
+            return None
+        types = {"epoch": int, "step": int, "files": dict, "fingerprint": list}
+        if any(type(getattr(m, k)) is not t for k, t in types.items()) or not m.files:
+            return None
+        if m.epoch < 0 or m.step < 0:
+            return None
+        return m
 
 
 def model_fingerprint(model):
@@ -111,24 +197,22 @@ class CheckpointManager:
                 found.append((key, os.path.join(self.directory, name)))
         return sorted(found, reverse=True)
 
-    def _manifest(self, path, epoch):
-        """The manifest of a complete, undamaged checkpoint of `epoch`, or None.
+    def _manifest(self, path, epoch, step):
+        """The `Manifest` of a complete, undamaged checkpoint of (`epoch`, `step`), or None.
 
         Hostile contents are refused, not followed: only regular files (a FIFO would block
         forever, /dev/zero never ends), only names inside the checkpoint, a small manifest.
+        A manifest of a format this hvdtrain does not read raises `HvdtrainError`.
         """
         try:
             file = os.path.join(path, "manifest.json")
             if not _regular(file) or os.path.getsize(file) > _MAX_MANIFEST:
                 return None
             with open(file, encoding="utf-8") as f:
-                manifest = json.load(f)
-            files = manifest["files"]
-            if type(manifest.get("epoch")) is not int or manifest["epoch"] != epoch:
+                manifest = Manifest.from_dict(json.load(f), path)
+            if manifest is None or (manifest.epoch, manifest.step) != (epoch, step):
                 return None
-            if not isinstance(files, dict) or not files:
-                return None
-            for name, (size, digest) in files.items():
+            for name, (size, digest) in manifest.files.items():
                 file = os.path.join(path, name)
                 if name in (".", "..") or os.path.basename(name) != name or not _regular(file):
                     return None
@@ -139,24 +223,26 @@ class CheckpointManager:
             return None
 
     def latest(self):
-        """(epoch, path, manifest) of the newest valid checkpoint, or None.
+        """The `Manifest` of the newest valid checkpoint (its `path` set), or None.
 
         A damaged newer checkpoint is skipped with a warning.
         """
-        for (epoch, _), path in self._epochs():
-            manifest = self._manifest(path, epoch)
+        for (epoch, step), path in self._epochs():
+            manifest = self._manifest(path, epoch, step)
             if manifest is not None:
-                return epoch, path, manifest
+                return manifest
             log.warning("skipping damaged checkpoint %s", path)
         return None
 
-    def restore(self, path, manifest):
-        """Loads weights and optimizer state from `path`; returns the saved epoch."""
+    def restore(self, manifest):
+        """Loads the weights and optimizer state of the checkpoint `manifest` describes (from
+        `latest()`); returns it (epoch, step, global_step, ...)."""
+        path = manifest.path
         expected = model_fingerprint(self.model)
-        if manifest.get("fingerprint") != expected:
+        if manifest.fingerprint != expected:
             raise HvdtrainError(
                 f"Invalid checkpoint in `--checkpoint-dir`: {path} was written by a different "
-                f"model ({_describe(manifest.get('fingerprint'))}; this run builds "
+                f"model ({_describe(manifest.fingerprint)}; this run builds "
                 f"{_describe(expected)}). Use a new --checkpoint-dir, or the flags that "
                 "wrote it."
             )
@@ -170,12 +256,18 @@ class CheckpointManager:
                 f"Invalid checkpoint in `--checkpoint-dir`: {path} does not match this model "
                 f"and optimizer ({reason}). Use a new --checkpoint-dir."
             ) from None
-        return int(manifest["epoch"])
+        return manifest
+
+    def restore_latest(self):
+        """`restore(latest())`: the restored checkpoint's `Manifest`, or None if none."""
+        found = self.latest()
+        return self.restore(found) if found is not None else None
 
     # -- writing ------------------------------------------------------------------------
-    def save(self, epoch, extra=None, step=0):
+    def save(self, epoch, extra=None, step=0, **fields):
         """Writes a checkpoint atomically and returns its path: after `epoch` completed
-        epochs and `step` steps into the next one."""
+        epochs and `step` steps into the next one. `fields` fill the `Manifest` (size,
+        global_batch, steps_per_epoch, prog, logs, data); `extra` goes to its `extra`."""
         name = f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
@@ -191,16 +283,16 @@ class CheckpointManager:
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
                 files[name] = [os.path.getsize(file), _sha256(file)]
-            manifest = {
-                "format": _FORMAT,
-                "epoch": int(epoch),
-                "step": int(step),
-                "time": time.time(),
-                "written_by": {"host": socket.gethostname(), "pid": os.getpid()},
-                "fingerprint": model_fingerprint(self.model),
-                "files": files,
-                **(extra or {}),
-            }
+            manifest = Manifest(
+                epoch=int(epoch),
+                step=int(step),
+                files=files,
+                fingerprint=model_fingerprint(self.model),
+                time=time.time(),
+                written_by={"host": socket.gethostname(), "pid": os.getpid()},
+                extra=dict(extra or {}),
+                **fields,
+            ).to_dict()
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()

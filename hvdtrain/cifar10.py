@@ -21,7 +21,8 @@ import tarfile
 import numpy as np
 
 from hvdtrain import datasets, trainer
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "load_cifar10", "build_model"]
 
@@ -173,17 +174,20 @@ def _normalise(x, y):
 
 def _load(args):
     def load():
+        from hvdtrain.data import ArrayData
+
         source = datasets.choose_source(
             args.data_dir, keras_cache_path(), _download, "synthetic", PROG
         )
-        train, test = load_cifar10(source, args.data_dir)
+        (x, y), test = load_cifar10(source, args.data_dir)
         notice = {
             "data-dir": f"CIFAR-10 from {args.data_dir}",
             "keras-cache": "CIFAR-10 from Keras' cache",
             "synthetic": "SYNTHETIC random images (no CIFAR-10 found): for benchmarking "
             "only, the accuracy means nothing",
         }[source]
-        return trainer.Data(train, test, source, notice, train_map=_augment, eval_map=_normalise)
+        return ArrayData(x, y, test, train_map=_augment, eval_map=_normalise, source=source,
+                         notice=notice)  # fmt: skip
 
     return load
 
@@ -194,21 +198,31 @@ def _download():
     tf.keras.datasets.cifar10.load_data()
 
 
+def _compiled(name, lr):
+    """`build_model(name)` compiled: SGD with momentum 0.9, cross-entropy on logits."""
+    import tensorflow as tf
+
+    model = build_model(name)
+    model.compile(
+        tf.keras.optimizers.SGD(lr, momentum=0.9),
+        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ["accuracy"],
+    )
+    return model
+
+
 def main(argv=None):
-    parser = trainer.make_parser(PROG, __doc__, epochs=30, batch_size=64, lr=0.05)
+    parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=30, batch_size=64, lr=0.05)
     parser.add_argument("--model", choices=["resnet-small", "resnet50"], default="resnet-small")
     parser.add_argument("--data-dir", help="folder with the CIFAR-10 python batches")
-    trainer.main(
-        parser,
-        argv,
-        lambda args: trainer.train(
-            args,
-            prog=PROG,
-            build_model=lambda: build_model(args.model),
-            load_data=_load(args),
-            optimizer="sgd",
-        ),
-    )
+
+    def run(argv):
+        args = parser.parse_args(argv)
+        if args.data_dir and not os.path.isdir(args.data_dir):
+            raise invalid_value("--data-dir", args.data_dir, "an existing folder")
+        return trainer.fit(lambda: _compiled(args.model, args.lr), _load(args), args, prog=PROG)
+
+    trainer.main(run, argv, PROG)
 
 
 if __name__ == "__main__":

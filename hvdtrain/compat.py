@@ -88,11 +88,13 @@ def keras_problem(tf_version, has_tf_keras, keras_module, keras_version, legacy_
             "`tensorflow`, which would install the full wheel beside tensorflow-cpu)"
         )
     if keras_module == "keras" and str(keras_version).startswith("3"):
-        why = f"TF_USE_LEGACY_KERAS={legacy_env}" if legacy_env is not None else "it was unset"
+        if legacy_env in ("1", "true", "True"):
+            why = "tf.keras was used before TF_USE_LEGACY_KERAS=1 was set"
+        else:
+            why = f"TF_USE_LEGACY_KERAS={'unset' if legacy_env is None else legacy_env}"
         return (
-            f"tf.keras is Keras {keras_version} in this process ({why} when TensorFlow first "
-            "used tf.keras); Horovod and hvdtrain need Keras 2 (tf_keras). "
-            f"{_FIX}, and use tf.keras throughout."
+            f"tf.keras is Keras {keras_version} in this process ({why}); Horovod and hvdtrain "
+            f"need Keras 2 (tf_keras). {_FIX}, and use tf.keras throughout."
         )
     return None
 

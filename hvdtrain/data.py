@@ -1,17 +1,43 @@
 """Input pipelines: shard before shuffle and repeat, equal steps on every rank.
 
 The order matters. Sharding first gives each rank a fixed, disjoint part of the data;
-shuffling then mixes only that part, and the pipeline never ends, so every rank runs the
-same number of steps even when the shards differ in size by one sample (a rank that ran
-out of data early would skip an allreduce and hang the others).
+shuffling then mixes only that part, and every rank runs the same number of steps even
+when the shards differ in size (a rank that ran out of data early would skip an allreduce
+and hang the others). The batch of each global step is a pure function of (seed, rank,
+step), so a resume continues at the exact sample.
+
+`hvdtrain.fit` takes the data in one of these forms (each a `Data`):
+
+    hvdtrain.fit(build_model, (x, y))                                  # numpy arrays
+    hvdtrain.fit(build_model, hvdtrain.ArrayData(x, y, test=(xt, yt)))
+    hvdtrain.fit(build_model, hvdtrain.DatasetData(make_dataset, num_samples=60000))
+    hvdtrain.fit(build_model, hvdtrain.FileData("data/train-*.tfrecord", parse))  # files
+
+with `make_dataset(rank, size, seed, epoch)` returning the rank's samples for one epoch
+(see `DatasetData`) and `FileData` in `hvdtrain.records` (TFRecord, any files, per-host).
 """
+
+import dataclasses
+import os
+import socket
 
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value
 
-__all__ = ["shard_indices", "steps_per_epoch", "train_dataset", "eval_dataset"]
+__all__ = [
+    "shard_indices",
+    "steps_per_epoch",
+    "train_dataset",
+    "eval_dataset",
+    "Placement",
+    "Data",
+    "ArrayData",
+    "DatasetData",
+    "as_data",
+    "chain",
+]
 
 
 def shard_indices(num_samples, rank, size):
@@ -20,7 +46,7 @@ def shard_indices(num_samples, rank, size):
     The shards are disjoint and together cover all `num_samples`; their sizes differ by at
     most one.
     """
-    if size < 1:
+    if not isinstance(size, int | np.integer) or size < 1:
         raise invalid_value("size", size, "a positive number of ranks")
     if not 0 <= rank < size:
         raise invalid_value("rank", rank, f"0 <= rank < {size}")
@@ -29,6 +55,13 @@ def shard_indices(num_samples, rank, size):
 
 def steps_per_epoch(num_samples, batch_size, size):
     """Steps per epoch, the same on every rank: full batches of the smallest shard."""
+    for name, value, low in (
+        ("num_samples", num_samples, 0),
+        ("batch_size", batch_size, 1),
+        ("size", size, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            raise invalid_value(name, value, f"an integer >= {low}")
     steps = (num_samples // size) // batch_size
     if steps < 1:
         raise invalid_value(
@@ -43,7 +76,7 @@ def steps_per_epoch(num_samples, batch_size, size):
 def train_dataset(
     x, y, batch_size, rank, size, seed=0, shuffle=True, map_fn=None, start_step=0, steps=None
 ):
-    """An endless, per-rank training dataset; run it for `steps_per_epoch(...)` steps.
+    """An endless, per-rank training dataset of arrays; run it for `steps` per epoch.
 
     The batch of global step g is a pure function of (seed, rank, g): epoch e = g // steps
     takes the positions of step g % steps in a permutation of this rank's shard that
@@ -52,16 +85,6 @@ def train_dataset(
 
     Shard -> per-epoch permutation -> batch (gathered from memory) -> `map_fn` per sample
     (decoding, augmentation; parallel, order kept) -> prefetch.
-
-    Args:
-        x, y: all samples (arrays; x may hold file paths for `map_fn` to read).
-        batch_size: per-rank batch.
-        rank, size: this rank and the number of ranks.
-        seed: the shuffle seed (the same on every rank: the shards differ anyway).
-        shuffle: False keeps the shard's order (tests, equivalence checks).
-        map_fn: `(x, y) -> (x, y)` per sample, or None.
-        start_step: the global step of the first batch (epoch x steps + step in epoch).
-        steps: steps per epoch; by default `steps_per_epoch(len(x), batch_size, size)`.
     """
     idx = shard_indices(len(x), rank, size)
     steps = steps or steps_per_epoch(len(x), batch_size, size)
@@ -93,3 +116,225 @@ def eval_dataset(x, y, batch_size, rank, size, map_fn=None):
     if map_fn is not None:
         ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def chain(datasets):
+    """The datasets one after the other (a balanced tree of `concatenate`)."""
+    datasets = list(datasets)
+    if not datasets:
+        raise invalid_value("datasets", datasets, "at least one dataset")
+    while len(datasets) > 1:
+        pairs = [datasets[i : i + 2] for i in range(0, len(datasets), 2)]
+        datasets = [p[0].concatenate(p[1]) if len(p) == 2 else p[0] for p in pairs]
+    return datasets[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where this process is: its rank among `size`, and its host (name and local rank).
+
+    `host` is the name the launcher gave the host (horovodrun's HOROVOD_HOSTNAME, so
+    `-H localhost:1,127.0.0.1:1` are two hosts), else this machine's name.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    host: str = "localhost"
+
+    @classmethod
+    def current(cls):
+        """This process's placement, from Horovod (after `hvdtrain.init()`)."""
+        import horovod.tensorflow as hvd
+
+        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        return cls(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), host)
+
+
+class Data:
+    """What `hvdtrain.fit` needs from the data; subclass it for a form of your own.
+
+    `prepare` runs on every rank after `hvdtrain.init()` and may use collectives (to count
+    samples and agree on them); then `steps_per_epoch` must give the same number on every
+    rank, and `train_dataset` must yield exactly that many full batches per epoch.
+    """
+
+    source = "data"  # a short name for the metrics JSON
+
+    def prepare(self, placement, seed=0):
+        """Reads what it must (counts, file lists) and agrees with the other ranks."""
+
+    def describe(self):
+        """One line for the log."""
+        return self.source
+
+    @property
+    def num_samples(self):
+        """Training samples in all (every rank's shard together)."""
+        raise NotImplementedError
+
+    def steps_per_epoch(self, batch_size, placement):
+        return steps_per_epoch(self.num_samples, batch_size, placement.size)
+
+    def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
+        """This rank's batches from global step `start_step` to the end of `epochs`."""
+        raise NotImplementedError
+
+    @property
+    def has_test(self):
+        """Whether there is a test set (on every rank alike, even one whose share is empty)."""
+        return False
+
+    def eval_dataset(self, batch_size, placement):
+        """This rank's share of the test set, each sample once over all ranks; or None."""
+        return None
+
+
+class ArrayData(Data):
+    """Samples in memory (numpy arrays): each rank takes every N-th one.
+
+    Args:
+        x, y: training inputs and labels (x may hold file paths that `train_map` reads).
+        test: (x, y) held out for evaluation, or None.
+        train_map, eval_map: per-sample `(x, y) -> (x, y)` functions applied after sharding
+            (decoding, augmentation, normalisation); None for arrays ready to use.
+        source: a short name of where the data came from; notice: one line saying so.
+    """
+
+    def __init__(
+        self, x, y, test=None, train_map=None, eval_map=None, source="arrays", notice=None
+    ):
+        if len(x) != len(y):
+            raise invalid_value("y", f"{len(y)} labels", f"one per sample ({len(x)})")
+        self.x, self.y, self.test = x, y, test
+        self.train_map, self.eval_map = train_map, eval_map
+        self.source, self.notice = source, notice or source
+
+    def limit(self, n):
+        """The first `n` training samples only."""
+        return ArrayData(
+            self.x[:n],
+            self.y[:n],
+            self.test,
+            self.train_map,
+            self.eval_map,
+            self.source,
+            self.notice,
+        )
+
+    def describe(self):
+        tested = f", {len(self.test[0])} test" if self.test is not None else ""
+        return f"{self.notice}; {len(self.x)} train{tested} samples"
+
+    @property
+    def num_samples(self):
+        return len(self.x)
+
+    def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
+        p = placement
+        return train_dataset(
+            self.x,
+            self.y,
+            batch_size,
+            p.rank,
+            p.size,
+            seed=seed,
+            map_fn=self.train_map,
+            start_step=start_step,
+            steps=steps,
+        )
+
+    @property
+    def has_test(self):
+        return self.test is not None
+
+    def eval_dataset(self, batch_size, placement):
+        if self.test is None:
+            return None
+        x, y = self.test
+        return eval_dataset(x, y, batch_size, placement.rank, placement.size, self.eval_map)
+
+
+class DatasetData(Data):
+    """Your own `tf.data` pipeline, made per rank and per epoch.
+
+        def make_dataset(rank, size, seed, epoch):
+            files = tf.data.Dataset.list_files("data/*.csv", shuffle=False)
+            ds = files.shard(size, rank)                  # shard first ...
+            ds = ds.interleave(tf.data.TextLineDataset).map(parse)
+            return ds.shuffle(10_000, seed=seed + epoch)  # ... then shuffle: samples, unbatched
+
+        hvdtrain.fit(build_model, hvdtrain.DatasetData(make_dataset, num_samples=50_000))
+
+    `make_dataset` returns this rank's samples for one epoch, unbatched; hvdtrain batches
+    them and takes `steps_per_epoch` batches (the same on every rank: (num_samples // ranks)
+    // batch). A rank whose dataset ends sooner stops the job with an error naming it,
+    instead of leaving the others waiting. For an exact resume, the dataset must depend only
+    on its arguments (seed the shuffles with them).
+
+    Args:
+        train_fn: `(rank, size, seed, epoch) -> tf.data.Dataset` of samples.
+        num_samples: training samples over all ranks.
+        test_fn: `(rank, size) -> tf.data.Dataset` of this rank's test samples (each
+            sample on one rank), or None.
+    """
+
+    source = "tf.data"
+
+    def __init__(self, train_fn, num_samples, test_fn=None):
+        if not callable(train_fn):
+            raise invalid_value("train_fn", train_fn, "a function (rank, size, seed, epoch)")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise invalid_value("num_samples", num_samples, "the number of training samples")
+        self.train_fn, self.test_fn, self._num_samples = train_fn, test_fn, num_samples
+
+    def describe(self):
+        return f"a tf.data pipeline of {self.num_samples} training samples"
+
+    @property
+    def num_samples(self):
+        return self._num_samples
+
+    def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
+        first, skip = divmod(start_step, steps)
+        per_epoch = steps * batch_size
+
+        def one(epoch):
+            ds = self.train_fn(placement.rank, placement.size, seed, epoch)
+            if not isinstance(ds, tf.data.Dataset):
+                raise HvdtrainError(
+                    f"Invalid value for `train_fn`: it returned a {type(ds).__name__}; expected "
+                    "a tf.data.Dataset of samples."
+                )
+            # Fewer samples than the steps need: an error on this rank, not a hang.
+            ds = ds.take(per_epoch).apply(tf.data.experimental.assert_cardinality(per_epoch))
+            return ds.skip(skip * batch_size) if epoch == first else ds
+
+        ds = chain(one(e) for e in range(first, max(epochs, first + 1)))
+        return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+    @property
+    def has_test(self):
+        return self.test_fn is not None
+
+    def eval_dataset(self, batch_size, placement):
+        if self.test_fn is None:
+            return None
+        return self.test_fn(placement.rank, placement.size).batch(batch_size)
+
+
+def as_data(data):
+    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays."""
+    if isinstance(data, Data):
+        return data
+    if isinstance(data, tuple | list) and len(data) == 2:
+        if all(isinstance(part, tuple | list) and len(part) == 2 for part in data):
+            (x, y), test = data
+            return ArrayData(x, y, test=test)
+        return ArrayData(*data)
+    raise invalid_value(
+        "data",
+        type(data).__name__,
+        "a hvdtrain.Data (ArrayData, DatasetData, FileData), (x, y) or ((x, y), (x_test, y_test))",
+    )

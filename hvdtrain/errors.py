@@ -1,5 +1,6 @@
 """The one exception family for user mistakes, and how the command line reports it."""
 
+import atexit
 import os
 import sys
 
@@ -56,14 +57,18 @@ def exit_with_error(prog, error, code=2):
     rank = env_rank()
     if rank == 0 or not getattr(error, "every_rank", True):
         where = f" [rank {rank}]" if rank else ""
-        print(f"{prog}{where}: error: {error}", file=sys.stderr, flush=True)
+        # One write, newline included: with unbuffered output (PYTHONUNBUFFERED) print()'s
+        # two writes reach mpirun --tag-output as two tagged pieces.
+        sys.stderr.write(f"{prog}{where}: error: {error}\n")
+        sys.stderr.flush()
     sys.exit(code)
 
 
 def report_uncaught():
-    """Makes an uncaught `HvdtrainError` in a user's script print like the entry points' errors
-    (`train.py: error: ...`, once, no traceback; the exit status stays 1). Other exceptions keep
-    the hook they had. Installed by `import hvdtrain`; idempotent."""
+    """Makes an uncaught `HvdtrainError` in a user's script end it like the entry points'
+    errors: `train.py: error: ...` printed once (see `HvdtrainError.every_rank`), no
+    traceback, exit status 2 (after the exit handlers: Horovod shuts down cleanly). Other
+    exceptions keep the hook they had. Installed by `import hvdtrain`; idempotent."""
     previous = sys.excepthook
     if getattr(previous, "hvdtrain_errors", False):
         return
@@ -71,11 +76,14 @@ def report_uncaught():
     def hook(kind, value, tb):
         if not issubclass(kind, HvdtrainError):
             return previous(kind, value, tb)
-        rank = env_rank()
-        if rank == 0 or not value.every_rank:
-            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "hvdtrain"
-            where = f" [rank {rank}]" if rank else ""
-            print(f"{prog}{where}: error: {value}", file=sys.stderr, flush=True)
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "hvdtrain"
+        try:
+            exit_with_error(prog, value)
+        except SystemExit as done:  # from inside an excepthook Python would ignore it
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            atexit._run_exitfuncs()
+            os._exit(done.code)
 
     hook.hvdtrain_errors = True
     sys.excepthook = hook

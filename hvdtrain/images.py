@@ -18,6 +18,7 @@ import numpy as np
 
 from hvdtrain import trainer
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "list_images", "build_model"]
 
@@ -87,36 +88,48 @@ def build_model(classes, weights=None):
     return tf.keras.Model(inputs, tf.keras.layers.Dense(classes)(x), name="mobilenet_v2_transfer")
 
 
+def _compiled(classes, weights, lr):
+    """`build_model` compiled: Adam(lr), cross-entropy on logits, accuracy."""
+    import tensorflow as tf
+
+    model = build_model(classes, weights)
+    model.compile(
+        tf.keras.optimizers.Adam(lr),
+        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ["accuracy"],
+    )
+    return model
+
+
 def main(argv=None):
-    parser = trainer.make_parser(PROG, __doc__, epochs=5, batch_size=16, lr=1e-3)
+    parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=5, batch_size=16, lr=1e-3)
     parser.add_argument("--data-dir", required=True, help="one sub-folder of images per class")
     parser.add_argument("--weights", help="local MobileNetV2 no-top weights file (.h5)")
     parser.add_argument("--test-fraction", type=float, default=0.1, help="held out (0.1)")
 
-    def run(args):
+    def run(argv):
+        from hvdtrain.data import ArrayData
+
+        args = parser.parse_args(argv)
         if not 0 <= args.test_fraction < 1:
             raise invalid_value("--test-fraction", args.test_fraction, "0 <= value < 1")
         if args.weights and not os.path.isfile(args.weights):
             raise invalid_value("--weights", args.weights, "a local MobileNetV2 weights file")
-        train, test, classes = list_images(args.data_dir, args.test_fraction, args.seed)
+        (x, y), test, classes = list_images(args.data_dir, args.test_fraction, args.seed)
         where = (
             "pretrained weights from " + args.weights
             if args.weights
             else ("random initialisation (no --weights; ImageNet weights are not downloaded)")
         )
-
-        def load():
-            return trainer.Data(
-                train, test, "data-dir", f"{len(classes)} classes from {args.data_dir}; {where}",
-                train_map=_augment, eval_map=_decode,
-            )  # fmt: skip
-
-        trainer.train(
-            args, prog=PROG, build_model=lambda: build_model(len(classes), args.weights),
-            load_data=load,
+        data = ArrayData(
+            x, y, test, train_map=_augment, eval_map=_decode, source="data-dir",
+            notice=f"{len(classes)} classes from {args.data_dir}; {where}",
         )  # fmt: skip
+        return trainer.fit(
+            lambda: _compiled(len(classes), args.weights, args.lr), data, args, prog=PROG
+        )
 
-    trainer.main(parser, argv, run)
+    trainer.main(run, argv, PROG)
 
 
 if __name__ == "__main__":

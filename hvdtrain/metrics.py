@@ -1,17 +1,17 @@
-"""Metrics across ranks, weighted by sample count.
+"""Metrics across ranks, exact whatever the shards: the model's own loss and metrics, their
+states summed over the ranks.
 
 A mean of per-rank means is wrong as soon as ranks saw different numbers of samples
-(uneven shards of an evaluation set): here every rank contributes sums and counts, and the
-ratio of the all-reduced sums is the exact global mean.
+(uneven shards of a test set), and an AUC or a precision is no mean at all. Every Keras
+metric keeps additive state (a total and a count, true and false positives, a confusion
+matrix); summing that state over the ranks gives the metric of all the data, exactly.
 """
-
-import weakref
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["weighted_mean", "evaluate", "MetricAverageCallback"]
+__all__ = ["weighted_mean", "evaluate", "global_results", "MetricAverageCallback"]
 
 
 def weighted_mean(values, count):
@@ -25,68 +25,99 @@ def weighted_mean(values, count):
     return {k: float(total[i] / total[-1]) for i, k in enumerate(keys)}
 
 
-_STEP_FNS = weakref.WeakKeyDictionary()  # model -> its traced evaluation step
+def _states(model):
+    """[(metric name, [state arrays])] of the model's metrics that hold state."""
+    return [(m.name, [v.numpy() for v in m.variables]) for m in model.metrics if m.variables]
 
 
-def _eval_step(model):
-    if model not in _STEP_FNS:
-        loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=tf.keras.losses.Reduction.SUM
+def global_results(model):
+    """The model's metric results over every rank: each metric's state (total and count,
+    confusion counts, ...) summed over the ranks, then its `result()`. A collective: every
+    rank calls it, with whatever its metrics hold (none if it saw no batch)."""
+    mine = _states(model)
+    gathered = hvd.allgather_object(mine, name="hvdtrain.metrics") if hvd.size() > 1 else [mine]
+    summed = {}
+    for states in gathered:
+        for name, arrays in states:
+            old = summed.get(name)
+            summed[name] = (
+                [np.array(a) for a in arrays]
+                if old is None
+                else [a + b for a, b in zip(old, arrays, strict=True)]
+            )
+    results = {}
+    for m in model.metrics:
+        if m.name in summed and len(m.variables) == len(summed[m.name]):
+            for v, total in zip(m.variables, summed[m.name], strict=True):
+                v.assign(total)
+            results[m.name] = _number(m.result())
+    # A rank that saw no batch has not built the compiled metrics: it takes every result
+    # from the rank with the most (the same decision on every rank: no one waits alone).
+    counts = [len(states) for states in gathered]
+    if len(set(counts)) > 1:
+        source = counts.index(max(counts))
+        taken = hvd.broadcast_object(
+            results if hvd.rank() == source else None, root_rank=source, name="hvdtrain.results"
         )
-
-        @tf.function(reduce_retracing=True)
-        def batch_sums(x, y):
-            logits = model(x, training=False)
-            pred = tf.argmax(logits, axis=-1, output_type=y.dtype)
-            correct = tf.reduce_sum(tf.cast(tf.equal(pred, y), tf.float64))
-            return tf.cast(loss_fn(y, logits), tf.float64), correct
-
-        _STEP_FNS[model] = batch_sums
-    return _STEP_FNS[model]
+        results = {**taken, **results}
+    # Keras' loss tracker counts samples: its update is weighted by the batch size.
+    if len(summed.get("loss", ())) == 2:
+        results["samples"] = int(round(float(summed["loss"][1])))
+    return results
 
 
-def evaluate(model, dataset):
-    """Loss and accuracy of a logits classifier over every rank's shard, each sample once.
+def _number(value):
+    value = np.asarray(value)
+    return float(value) if value.ndim == 0 else value.tolist()
 
-    `dataset` is this rank's shard (see `hvdtrain.data.eval_dataset`); ranks may have
-    different numbers of batches, so no collective runs until the end.
+
+def evaluate(model, dataset, callbacks=None):
+    """The model's compiled loss and metrics over every rank's shard, each sample once.
+
+    `dataset` is this rank's shard of the test set (batches of (x, y) or (x, y, weight)),
+    or None when the rank has none; ranks may have different numbers of batches, so no
+    collective runs until the end, when the metrics' states are summed over the ranks
+    (`global_results`). Works for any loss and metric of `compile` (logits or
+    probabilities, integer or one-hot labels, regression). `callbacks` go to Keras'
+    `evaluate` (a `WatchdogCallback` keeps watching).
 
     Returns:
-        {"loss": ..., "accuracy": ..., "samples": total samples over all ranks}
+        {"loss": ..., <metric>: ..., "samples": test samples over all ranks}
     """
-    batch_sums = _eval_step(model)
-    sums = np.zeros(3, dtype=np.float64)  # loss, correct, samples
-    for x, y in dataset:
-        loss, correct = batch_sums(x, y)
-        sums += (loss.numpy(), correct.numpy(), len(y))
-    total = hvd.allreduce(tf.constant(sums), op=hvd.Sum, name="hvdtrain.evaluate").numpy()
-    n = max(total[2], 1.0)
-    return {"loss": total[0] / n, "accuracy": total[1] / n, "samples": int(total[2])}
+    model.reset_metrics()
+    if dataset is not None:
+        try:
+            model.evaluate(dataset, verbose=0, callbacks=callbacks)
+        except ValueError as e:  # Keras' answer to a dataset without a single batch
+            if "Empty logs" not in str(e):
+                raise
+    results = {"samples": 0, **global_results(model)}
+    model.reset_metrics()
+    return results
 
 
 class MetricAverageCallback(tf.keras.callbacks.Callback):
-    """Replaces each epoch's training logs by their sample-weighted mean over all ranks.
+    """Replaces each epoch's training logs by the metrics of every rank's batches together
+    (states summed, see `global_results`), and adds the test metrics as `val_*`.
 
-    Put it first in the callback list, so checkpoints, logs and early stopping see the
-    global values. `samples_per_epoch` is this rank's number of training samples in one
-    epoch. When `evaluate_fn` is given, it runs on every rank at the end of each epoch and
-    its results join the logs as `val_*` (every rank takes part: validating on rank 0 alone
-    would hang the others in the next allreduce). A callback of your own that evaluates
-    on rank 0 alone does hang; with `hvdtrain.WatchdogCallback` the job then ends after
-    the stall time, naming rank 0 and its epoch-end callbacks (tests/test_no_hangs.py).
+    Put it first among the callbacks that read logs, so checkpoints, logs and early
+    stopping see the global values. When `evaluate_fn` is given, it runs on every rank at
+    the end of each epoch (every rank takes part: validating on rank 0 alone would hang the
+    others in the next allreduce). A callback of your own that evaluates on rank 0 alone
+    does hang; with `hvdtrain.WatchdogCallback` the job then ends after the stall time,
+    naming rank 0 and its epoch-end callbacks (tests/test_no_hangs.py).
     """
 
-    def __init__(self, samples_per_epoch, evaluate_fn=None):
+    def __init__(self, evaluate_fn=None):
         super().__init__()
-        self.samples_per_epoch = samples_per_epoch
         self.evaluate_fn = evaluate_fn
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        train = {k: float(v) for k, v in logs.items() if not k.startswith("val_")}
-        logs.update(weighted_mean(train, self.samples_per_epoch))
+        for name, value in global_results(self.model).items():
+            if name in logs and name != "samples":
+                logs[name] = value
         if self.evaluate_fn is not None:
             result = self.evaluate_fn()
-            logs["val_loss"] = result["loss"]
-            logs["val_accuracy"] = result["accuracy"]
+            logs.update({f"val_{k}": v for k, v in result.items() if k != "samples"})

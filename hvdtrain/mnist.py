@@ -21,9 +21,13 @@ Re-running the same command with the same `--checkpoint-dir` resumes from the ne
 complete checkpoint.
 """
 
-from hvdtrain import datasets, trainer
+import os
 
-__all__ = ["main", "parse_args", "train"]
+from hvdtrain import datasets, trainer
+from hvdtrain.errors import invalid_value
+from hvdtrain.flags import ArgumentParser
+
+__all__ = ["main", "parse_args", "train", "build_model"]
 
 PROG = "hvdtrain.mnist"
 SOURCES = {
@@ -34,7 +38,7 @@ SOURCES = {
 
 
 def _parser():
-    p = trainer.make_parser(PROG, __doc__, epochs=15, batch_size=32, lr=1e-3)
+    p = ArgumentParser(f"python -m {PROG}", __doc__, epochs=15, batch_size=32, lr=1e-3)
     p.add_argument("--model", choices=["convnet", "mlp"], default="convnet")
     p.add_argument("--data-dir", help="folder with mnist.npz or the four MNIST IDX files")
     return p
@@ -42,7 +46,10 @@ def _parser():
 
 def parse_args(argv=None):
     """Parses and checks the command line (no TensorFlow needed)."""
-    return trainer.parse(_parser(), argv)
+    args = _parser().parse_args(argv)
+    if args.data_dir and not os.path.isdir(args.data_dir):
+        raise invalid_value("--data-dir", args.data_dir, "an existing folder")
+    return args
 
 
 def _download():
@@ -51,25 +58,38 @@ def _download():
     tf.keras.datasets.mnist.load_data()
 
 
+def build_model(name="convnet", lr=1e-3):
+    """The MNIST classifier `name`, compiled: Adam(lr), cross-entropy on logits, accuracy."""
+    import tensorflow as tf
+
+    from hvdtrain import models
+
+    model = models.build_model(name)
+    model.compile(
+        tf.keras.optimizers.Adam(lr),
+        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ["accuracy"],
+    )
+    return model
+
+
 def train(args):
     """Trains as `args` says; returns the metrics dict (rank 0 also writes it)."""
-    from hvdtrain.models import build_model
+    from hvdtrain.data import ArrayData
 
-    def load():
+    def load():  # on every rank after hvdtrain.init(): the ranks agree on the source
         source = datasets.choose_source(
             args.data_dir, datasets.keras_cache_path(), _download, "embedded", PROG
         )
-        train_set, test_set = datasets.load_mnist(source, args.data_dir)
-        return trainer.Data(train_set, test_set, source, SOURCES[source])
+        (x, y), test = datasets.load_mnist(source, args.data_dir)
+        return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
-    return trainer.train(
-        args, prog=PROG, build_model=lambda: build_model(args.model), load_data=load
-    )
+    return trainer.fit(lambda: build_model(args.model, args.lr), load, args, prog=PROG)
 
 
 def main(argv=None):
     """`python -m hvdtrain.mnist`: parse, train, report; user errors exit 2 in one line."""
-    trainer.main(_parser(), argv, train)
+    trainer.main(lambda argv: train(parse_args(argv)), argv, PROG)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ __all__ = [
     "scaled_lr",
     "warmup_lr",
     "WarmupSchedule",
+    "rescale_schedule",
     "distributed_optimizer",
+    "is_distributed",
     "fp16_compression",
     "broadcast_initial_state",
     "average_model_state",
@@ -41,24 +43,65 @@ def warmup_lr(step, base_lr, size, warmup_steps):
 @tf.keras.utils.register_keras_serializable(package="hvdtrain")
 class WarmupSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
     """`warmup_lr` as a Keras schedule: it follows `optimizer.iterations`, so a resumed run
-    continues the warmup where the checkpoint left it."""
+    continues the warmup where the checkpoint left it.
+
+    Args:
+        base_lr: the single-worker learning rate, or the single-worker schedule (a
+            `LearningRateSchedule`, e.g. a decay): its value at each step is scaled.
+        size: the number of ranks; warmup_steps: steps from 1x to `size`x (0: none).
+    """
 
     def __init__(self, base_lr, size, warmup_steps):
-        if base_lr <= 0:
-            raise invalid_value("lr", base_lr, "a positive single-worker learning rate")
-        self.base_lr = float(base_lr)
+        schedules = tf.keras.optimizers.schedules
+        if isinstance(base_lr, dict):  # from get_config
+            base_lr = schedules.deserialize(base_lr)
+        if not isinstance(base_lr, schedules.LearningRateSchedule):
+            if isinstance(base_lr, bool) or not isinstance(base_lr, int | float) or base_lr <= 0:
+                raise invalid_value("lr", base_lr, "a positive single-worker learning rate")
+            base_lr = float(base_lr)
+        self.base_lr = base_lr
         self.size = int(size)
         self.warmup_steps = int(warmup_steps)
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
+        base = self.base_lr
+        if not isinstance(base, float):
+            base = tf.cast(base(step), tf.float32)
         if self.warmup_steps <= 0:
-            return tf.constant(scaled_lr(self.base_lr, self.size), tf.float32)
+            return base * float(self.size)
         progress = tf.minimum(1.0, step / float(self.warmup_steps))
-        return self.base_lr * (1.0 + (self.size - 1) * progress)
+        return base * (1.0 + (self.size - 1) * progress)
 
     def get_config(self):
-        return {"base_lr": self.base_lr, "size": self.size, "warmup_steps": self.warmup_steps}
+        base = self.base_lr
+        if not isinstance(base, float):
+            base = tf.keras.optimizers.schedules.serialize(base)
+        return {"base_lr": base, "size": self.size, "warmup_steps": self.warmup_steps}
+
+
+def rescale_schedule(model, schedule, size, warmup_steps):
+    """Points `schedule` (a `WarmupSchedule`) at `size` ranks and `warmup_steps`; returns
+    True when that changed anything.
+
+    Keras evaluates the schedule while tracing the train step, so the rate is a constant in
+    the traced step: it is dropped (traced again by the next `fit`) when anything changed.
+    `schedule` must be the model optimizer's own object (`optimizer.learning_rate =
+    schedule`): `hvd.DistributedOptimizer` rebuilds the optimizer from its config, so the
+    schedule given to the wrapped optimizer is a copy.
+    """
+    if (schedule.size, schedule.warmup_steps) == (int(size), int(warmup_steps)):
+        return False
+    schedule.size, schedule.warmup_steps = int(size), int(warmup_steps)
+    model.train_function = None
+    return True
+
+
+def is_distributed(optimizer):
+    """True for an optimizer that `hvd.DistributedOptimizer` (or `distributed_optimizer`)
+    made, also inside a loss-scale optimizer."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(inner, "_allreduce_grads", None) is not None
 
 
 def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1, **kwargs):
@@ -73,6 +116,12 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
         **kwargs: passed on to `hvd.DistributedOptimizer`.
     """
     compat.require_keras2()  # Horovod's wrapper fails deep inside `fit` on Keras 3
+    if is_distributed(optimizer):  # Horovod would wrap it again, and recurse without end
+        raise invalid_value(
+            "optimizer",
+            type(optimizer).__name__ + " (already distributed)",
+            "a plain Keras optimizer: wrap it once",
+        )
     if compression is not None:
         kwargs["compression"] = compression
     if backward_passes_per_step > 1:

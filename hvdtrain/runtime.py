@@ -235,6 +235,11 @@ def _name_failures(rank):
 
 def is_main_process():
     """True on rank 0: the one process that logs, prints progress and writes files."""
+    if not hvd.is_initialized():
+        raise HvdtrainError(
+            "is_main_process() needs the job's ranks: call hvdtrain.init() first (it calls "
+            "hvd.init() and pins the GPU)"
+        )
     return hvd.rank() == 0
 
 
@@ -283,7 +288,7 @@ def rank_report(model=None):
         "pid": os.getpid(),
     }
     if model is not None:
-        mine["weights_sha256"] = weights_digest(model)
+        mine["weights_digest"] = weights_digest(model)
     if hvd.size() == 1:
         return [mine]
     return hvd.allgather_object(mine, name="hvdtrain.rank_report")

@@ -1,171 +1,76 @@
-"""The training loop every entry point shares: the Horovod recipe, from flags to metrics.
+"""The training recipe every run goes through: `hvdtrain.fit(build_model, data, config)`.
 
-An entry point (`hvdtrain.mnist`, `hvdtrain.cifar10`, ...) adds its own flags to the common
-ones, and hands `train` a model builder and a data loader::
+Your model, compiled as for one device, your data in any form (`hvdtrain.data`), hvdtrain's
+flags::
 
-    parser = trainer.make_parser("hvdtrain.mnist", __doc__, epochs=15, batch_size=32, lr=1e-3)
-    args = trainer.parse(parser, argv)
-    trainer.train(args, build_model=..., load_data=...)
+    import tensorflow as tf
+    import hvdtrain
 
-`train` then does, in order: `hvd.init()` with GPU pinning and threads; data agreed by all
-ranks; LR = base x size with a warmup; the distributed optimizer (optionally with fp16
-gradient compression, local gradient accumulation, mixed precision); resume on rank 0
-from the newest valid checkpoint; broadcast of weights and optimizer state; `fit` with
-sample-weighted metrics and evaluation on every rank; rank-0 checkpoints, logs,
-TensorBoard, export and metrics JSON; a final check that all ranks hold identical weights.
+    def build_model():
+        model = tf.keras.Sequential([tf.keras.Input((784,)), tf.keras.layers.Dense(10)])
+        model.compile(tf.keras.optimizers.Adam(1e-3),
+                      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+        return model
+
+    if __name__ == "__main__":
+        args = hvdtrain.ArgumentParser(epochs=10, batch_size=64).parse_args()
+        hvdtrain.fit(build_model, hvdtrain.FileData("data/*.tfrecord", parse), args)
+
+    horovodrun -np 4 -H localhost:4 python train.py --checkpoint-dir ckpt --metrics-json m.json
+    hvdtrain-run --hostfile hosts.txt -- python train.py --checkpoint-dir ckpt
+    hvdtrain-run --elastic --min-np 1 --hostfile hosts.txt -- python train.py --elastic
+
+`fit` does, in order: `hvdtrain.init()` (GPU pinning, threads); `build_model()` (under the
+mixed-precision policy); its optimizer rebuilt with the learning rate x ranks after a warmup,
+wrapped by Horovod (fp16 allreduce, accumulation and loss scaling as asked) and the model
+compiled again with the same loss and metrics and several steps per execution; the data
+prepared on every rank (counted and agreed), sharded before shuffling, the same steps on
+every rank; resume on rank 0 from the newest valid checkpoint and a broadcast of weights and
+optimizer state; `fit` with the watchdog, averaged non-trainable state (BatchNorm), metrics
+of all ranks, progress, rank-0 checkpoints and TensorBoard; evaluation of the test set
+(the model's own loss and metrics, each sample once); a check that every rank holds the
+same weights; rank 0's export (`model.keras`) and metrics JSON. With `elastic` the same
+under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 2.
 """
 
-import argparse
 import os
 import sys
 import time
 
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain import callbacks as cb
+from hvdtrain import compat, elastic, files, metrics, optim, runtime, tuning, watchdog
+from hvdtrain import data as datamod
+from hvdtrain.checkpoint import CheckpointManager
+from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.flags import make_config
+from hvdtrain.logs import get_logger
 
-__all__ = ["make_parser", "parse", "train", "resume_step", "Data"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump, no traceback
-        raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
-
-
-def make_parser(prog, doc, *, epochs, batch_size, lr, warmup_epochs=1.0):
-    """The flags every entry point has, with the entry point's defaults."""
-    p = _Parser(
-        prog=f"python -m {prog}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=epochs, help=f"epochs in all ({epochs})")
-    g.add_argument(
-        "--batch-size", type=int, default=batch_size, help=f"per-rank batch ({batch_size})"
-    )
-    g.add_argument(
-        "--lr",
-        type=float,
-        default=lr,
-        help=f"single-worker learning rate, scaled by the number of ranks after the warmup ({lr})",
-    )
-    g.add_argument(
-        "--warmup-epochs",
-        type=float,
-        default=warmup_epochs,
-        help=f"epochs to ramp the LR from --lr to --lr x ranks ({warmup_epochs:g})",
-    )
-    g.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    g.add_argument("--limit-samples", type=int, help="train on the first N samples only")
-    g.add_argument("--threads", type=int, help="CPU threads per rank (cores / local ranks)")
-    g.add_argument(
-        "--mixed-precision",
-        nargs="?",
-        const="auto",
-        choices=["auto", "float16", "bfloat16"],
-        help="mixed precision: float16 on GPUs, bfloat16 on CPUs (auto); loss scaling for float16",
-    )
-    g.add_argument(
-        "--fp16-allreduce",
-        action="store_true",
-        help="compress gradients to float16 for the allreduce (halves the bytes sent)",
-    )
-    g.add_argument(
-        "--accumulate",
-        type=int,
-        default=1,
-        help="average gradients of N local batches before each allreduce (1 = off)",
-    )
-    f = p.add_argument_group("files")
-    f.add_argument("--checkpoint-dir", help="save each epoch here (rank 0) and resume from it")
-    f.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (2)")
-    f.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        help="also checkpoint every N steps mid-epoch; a resume continues at that step (0 = off)",
-    )
-    g.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic ops and per-step random seeds: a killed and resumed run ends with "
-        "the same weights as an uninterrupted one (bitwise on CPU)",
-    )
-    f.add_argument("--metrics-json", help="rank 0 writes the run's figures here")
-    f.add_argument("--log-dir", help="TensorBoard logs (rank 0)")
-    e = p.add_argument_group("elastic (launch with hvdtrain-run --elastic; see hvdtrain.elastic)")
-    e.add_argument(
-        "--elastic",
-        action="store_true",
-        help="train under Horovod Elastic: survive failed workers, take in new ones",
-    )
-    e.add_argument(
-        "--commit-every",
-        type=int,
-        default=10,
-        help="steps between in-memory commits of the state; a failure redoes at most this "
-        "many (10)",
-    )
-    return p
+__all__ = ["fit", "resume_step", "main"]
 
 
-def parse(parser, argv=None):
-    """Parses and checks the command line (no TensorFlow needed)."""
-    args = parser.parse_args(argv)
-    for name in (
-        "epochs",
-        "batch_size",
-        "keep_checkpoints",
-        "limit_samples",
-        "threads",
-        "accumulate",
-        "commit_every",
-    ):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise invalid_value(f"--{name.replace('_', '-')}", value, "a positive integer")
-    if not 0 < args.lr < float("inf"):
-        raise invalid_value("--lr", args.lr, "a positive learning rate")
-    if not 0 <= args.seed < 2**31:  # numpy refuses seeds outside [0, 2**32) mid-job
-        raise invalid_value("--seed", args.seed, "an integer from 0 to 2147483647")
-    if args.threads is not None and args.threads > 4096:
-        raise invalid_value("--threads", args.threads, "at most 4096 threads per rank")
-    if getattr(args, "elastic", False) and args.accumulate > 1:
-        raise invalid_value("--accumulate", args.accumulate, "1 with --elastic")
-    if args.checkpoint_every < 0:
-        raise invalid_value("--checkpoint-every", args.checkpoint_every, "a number of steps >= 0")
-    if not 0 <= args.warmup_epochs < float("inf"):
-        raise invalid_value("--warmup-epochs", args.warmup_epochs, "a number >= 0")
-    if getattr(args, "data_dir", None) and not os.path.isdir(args.data_dir):
-        raise invalid_value("--data-dir", args.data_dir, "an existing folder")
-    if args.metrics_json and os.path.isdir(args.metrics_json):
-        raise invalid_value("--metrics-json", args.metrics_json, "a file path, not a folder")
-    return args
-
-
-class Data:
-    """What a loader returns: arrays (or file paths) and how to turn them into batches.
+def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
+    """Trains `build_model()` on `data` on every rank of the job; returns the run's figures
+    (the metrics JSON; rank 0 also writes it).
 
     Args:
-        train, test: (x, y) pairs; x may be file paths that `train_map` reads.
-        source: a short name of where the data came from (in the metrics JSON).
-        notice: one line saying so, printed by rank 0 (default: `source`).
-        train_map, eval_map: per-sample `(x, y) -> (x, y)` functions applied after sharding
-            (decoding, augmentation, normalisation); None for arrays ready to use.
+        build_model: `() -> tf.keras.Model`, compiled with its optimizer (whose learning rate
+            is the single-worker one unless `lr` says otherwise), loss and metrics. Called on
+            every rank; it must build the same model each time.
+        data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`), (x, y) arrays,
+            ((x, y), (x_test, y_test)), or a function returning one of those, called on
+            every rank after `hvdtrain.init()` (it may use collectives).
+        config: a `TrainConfig`, the namespace of `hvdtrain.ArgumentParser`, a dict or None.
+        callbacks: Keras callbacks of your own; they see the metrics of all ranks.
+        prog: the program's name in messages and the metrics JSON.
+        **options: `TrainConfig` fields, over `config` (`epochs=5, checkpoint_dir="ckpt"`).
     """
-
-    def __init__(self, train, test, source, notice=None, train_map=None, eval_map=None):
-        self.train, self.test, self.source, self.notice = train, test, source, notice or source
-        self.train_map, self.eval_map = train_map, eval_map
-
-
-def _mixed_precision_policy(choice):
-    import tensorflow as tf
-
-    if choice in (None, ""):
-        return None
-    if choice == "auto":
-        choice = "float16" if tf.config.list_physical_devices("GPU") else "bfloat16"
-    return f"mixed_{choice}"
+    run = Run(make_config(config, **options), build_model, data, prog, list(callbacks))
+    if run.cfg.elastic:
+        return elastic.run(run)
+    run.setup()
+    run.start()
+    run.train()
+    return run.finish(run.evaluate())
 
 
 def resume_step(saved, steps, global_batch, accumulate=1):
@@ -184,255 +89,438 @@ def resume_step(saved, steps, global_batch, accumulate=1):
     return epoch * steps + step
 
 
-def train(args, *, prog, build_model, load_data, optimizer="adam"):
-    """Trains as `args` says; returns the metrics dict (rank 0 also writes it).
+class Run:
+    """One process's run of the recipe, in the steps `hvdtrain.elastic` also drives: `setup`
+    (no collectives), `start` (data, resume, broadcast), `train`, `evaluate`, `finish`."""
 
-    Args:
-        args: from `parse(make_parser(...))`.
-        prog: the entry point's name, for messages.
-        build_model: `() -> keras.Model` returning logits.
-        load_data: `() -> Data`, called on every rank after `hvd.init()` (it may use
-            collectives); a `HvdtrainError` on any rank stops every rank.
-        optimizer: "adam" or "sgd" (momentum 0.9).
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if getattr(args, "elastic", False):  # the same recipe under Horovod Elastic
-        from hvdtrain import elastic
+    def __init__(self, cfg, build_model, data, prog=None, callbacks=()):
+        self.cfg, self.build_model, self.data_source = cfg, build_model, data
+        self.prog = prog or os.path.basename(sys.argv[0] or "hvdtrain") or "hvdtrain"
+        self.user_callbacks = list(callbacks)
+        self.history, self.resumed, self.start_step = {}, None, 0
+        self.data = self.steps = None
 
-        return elastic.train(
-            args, prog=prog, build_model=build_model, load_data=load_data, optimizer=optimizer
+    # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
+    def setup(self):
+        import tensorflow as tf
+
+        cfg = self.cfg
+        self.wall = time.perf_counter()
+        runtime.init(threads=cfg.threads)
+        self.place = datamod.Placement.current()
+        self.log = get_logger(self.place.rank)
+        # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
+        tf.keras.utils.set_random_seed(cfg.seed + self.place.rank)
+        if cfg.deterministic:
+            tf.config.experimental.enable_op_determinism()
+            tf.keras.backend.experimental.enable_tf_random_generator()  # DeterministicRandomness
+        self.policy = _policy(cfg.mixed_precision)
+        if self.policy:
+            tf.keras.mixed_precision.set_global_policy(self.policy)
+        model = self.build_model()
+        compiled, user_opt = _compiled(model)
+        if self.policy:  # outputs back to float32 for a stable loss
+            model = _float32_outputs(model)
+        # Horovod: the single-worker LR (a number or a schedule) x ranks after a warmup; the
+        # warmup's length is set once the steps per epoch are known (`start`).
+        self.schedule = optim.WarmupSchedule(cfg.lr or _base_lr(user_opt), self.place.size, 0)
+        config = user_opt.get_config()
+        config["learning_rate"] = self.schedule
+        # Horovod: average gradients over the ranks before each update.
+        opt = optim.distributed_optimizer(
+            type(user_opt).from_config(config),
+            compression=optim.fp16_compression() if cfg.fp16_allreduce else None,
+            backward_passes_per_step=cfg.accumulate,
         )
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    import hvdtrain
-    from hvdtrain import callbacks as callbacks_mod
-    from hvdtrain import data, runtime
-
-    start = time.perf_counter()
-    hvdtrain.init(threads=args.threads)
-    log = hvdtrain.get_logger()
-    rank, size = hvd.rank(), hvd.size()
-    # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
-    tf.keras.utils.set_random_seed(args.seed + rank)
-
-    d = runtime.agree(load_data)
-    (x_train, y_train), (x_test, y_test) = d.train, d.test
-    if args.limit_samples:
-        x_train, y_train = x_train[: args.limit_samples], y_train[: args.limit_samples]
-    log.info("data: %s; %d train, %d test samples", d.notice, len(x_train), len(x_test))
-
-    steps = data.steps_per_epoch(len(x_train), args.batch_size * args.accumulate, size)
-    steps *= args.accumulate  # whole accumulation cycles per epoch
-    warmup_steps = round(args.warmup_epochs * steps)  # optimizer.iterations counts micro-steps
-    if args.deterministic:
-        tf.config.experimental.enable_op_determinism()
-        tf.keras.backend.experimental.enable_tf_random_generator()  # see DeterministicRandomness
-    policy = _mixed_precision_policy(args.mixed_precision)
-    if policy:
-        tf.keras.mixed_precision.set_global_policy(policy)
-    model = build_model()
-    if policy:  # logits back to float32 for a stable softmax and loss
-        inputs = tf.keras.Input(model.input_shape[1:])
-        logits = tf.keras.layers.Activation("linear", dtype="float32")(model(inputs))
-        model = tf.keras.Model(inputs, logits, name=model.name)
-    # Horovod: the base LR is the single-worker one; the schedule scales it by size after a warmup.
-    schedule = hvdtrain.WarmupSchedule(args.lr, size, warmup_steps)
-    if optimizer == "sgd":
-        base = tf.keras.optimizers.SGD(schedule, momentum=0.9)
-    else:
-        base = tf.keras.optimizers.Adam(schedule)
-    # Horovod: average gradients across ranks before each update.
-    opt = hvdtrain.distributed_optimizer(
-        base,
-        compression=hvdtrain.fp16_compression() if args.fp16_allreduce else None,
-        backward_passes_per_step=args.accumulate,
-    )
-    if policy == "mixed_float16":
-        # The loss scale wraps the distributed optimizer, so the allreduce sees unscaled
-        # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
-        opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    # Several steps per call into TensorFlow (hvdtrain.tuning); one when callbacks must act
-    # before or after every single step (mid-epoch checkpoints, per-step random seeds).
-    per_step = bool(args.checkpoint_every or args.deterministic)
-    fast = hvdtrain.compile_options(steps, steps_per_execution=1 if per_step else None)
-    model.compile(optimizer=opt, loss=loss, metrics=["accuracy"], **fast)
-    opt.build(model.trainable_variables)
-
-    global_batch = args.batch_size * size
-    start_step, manager, resumed = 0, None, None
-    if args.checkpoint_dir:
-        manager = hvdtrain.CheckpointManager(
-            args.checkpoint_dir, model, opt, keep=args.keep_checkpoints
+        opt.learning_rate = self.schedule  # Horovod rebuilt it with a copy: see rescale_schedule
+        if self.policy == "mixed_float16":
+            # The loss scale wraps the distributed optimizer, so the allreduce sees unscaled
+            # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
+            opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
+        if compiled.get("jit_compile"):
+            self.log.warning("jit_compile=True ignored: Horovod's allreduce cannot be XLA-compiled")
+        per_step = bool(cfg.checkpoint_every or cfg.deterministic)
+        self.spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
+        model.compile(
+            optimizer=opt,
+            loss=compiled["loss"],
+            metrics=compiled.get("metrics"),
+            loss_weights=compiled.get("loss_weights"),
+            weighted_metrics=compiled.get("weighted_metrics"),
+            run_eagerly=compiled.get("run_eagerly"),
+            jit_compile=False,
+            steps_per_execution=self.spe,
         )
-
-        def resume():
-            manager.check_writable()
-            found = manager.latest()
-            if not found:
-                return None
-            manager.restore(found[1], found[2])
-            return {k: found[2].get(k) for k in ("epoch", "step", "global_batch", "size")}
-
-        # Horovod: rank 0 reads the checkpoint; the broadcast below hands it to every rank.
-        saved = runtime.agree(resume, root_only=True)
-        saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
-        if saved:
-            start_step = resume_step(saved, steps, global_batch, args.accumulate)
-            resumed = {"epoch": saved["epoch"], "step": saved["step"] or 0}
-            if saved.get("global_batch") not in (None, global_batch):
-                log.warning(
-                    "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d:"
-                    " resuming at epoch %d step %d (the same samples seen; the LR schedule "
-                    "follows the step). The global batch changed: the results will differ.",
-                    saved.get("size"),
-                    saved["global_batch"] // (saved.get("size") or 1),
-                    size,
-                    args.batch_size,
-                    start_step // steps + 1,
-                    start_step % steps,
-                )
-    # Horovod: start every rank from rank 0's weights and optimizer state.
-    hvdtrain.broadcast_initial_state(model, opt)
-    if resumed:
-        opt.iterations.assign(start_step)  # the LR schedule follows this step
-        resumed["optimizer_iterations"] = start_step
-        log.info(
-            "resuming at epoch %d, step %d of %d (global step %d) from %s",
-            start_step // steps + 1,
-            start_step % steps,
-            steps,
-            start_step,
-            manager.directory,
-        )
-    initial_epoch = start_step // steps
-
-    def train_ds(step):
-        return data.train_dataset(
-            x_train, y_train, args.batch_size, rank, size, seed=args.seed,
-            map_fn=d.train_map, start_step=step, steps=steps,
-        )  # fmt: skip
-
-    test_ds = data.eval_dataset(x_test, y_test, 256, rank, size, map_fn=d.eval_map)
-    throughput = hvdtrain.ThroughputCallback(global_batch)
-    callbacks = [
-        # A rank that makes no progress for the stall time (300 s) ends the job: no hang.
-        hvdtrain.WatchdogCallback(),
-        # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
-        callbacks_mod.ModelStateAverageCallback(),
-        # Horovod: average the epoch's metrics over ranks first, so everything after sees them.
-        hvdtrain.MetricAverageCallback(
-            steps * args.batch_size, evaluate_fn=lambda: hvdtrain.evaluate(model, test_ds)
-        ),
-        throughput,
-    ]
-    if args.deterministic:
-        callbacks.insert(0, callbacks_mod.DeterministicRandomness(args.seed, rank, start_step))
-    if manager:
-        extra = {"size": size, "global_batch": global_batch, "steps_per_epoch": steps, "prog": prog}
-        callbacks.append(
-            hvdtrain.CheckpointCallback(manager, extra, steps, args.checkpoint_every, start_step)
-        )
-    callbacks += callbacks_mod.rank0_callbacks(args.log_dir)
-
-    log.info(
-        "training on %d rank(s): %d steps/epoch, batch %d/rank (%d global%s), lr %g -> %g over "
-        "%d steps%s",
-        size,
-        steps,
-        args.batch_size,
-        args.batch_size * size,
-        f", {args.accumulate} accumulated" if args.accumulate > 1 else "",
-        args.lr,
-        hvdtrain.scaled_lr(args.lr, size),
-        warmup_steps,
-        f", {policy}" if policy else "",
-    )
-    history = {}
-
-    def fit(first_step, epochs, steps_this_epoch):
-        run = model.fit(
-            train_ds(first_step),
-            epochs=epochs,
-            initial_epoch=first_step // steps,
-            steps_per_epoch=steps_this_epoch,
-            callbacks=callbacks,
-            verbose=2 if rank == 0 else 0,  # Horovod: one line per epoch, on rank 0 only
-        )
-        for k, vs in run.history.items():
-            history.setdefault(k, []).extend(float(v) for v in vs)
-
-    if start_step % steps and initial_epoch < args.epochs:  # finish the interrupted epoch
-        fit(start_step, initial_epoch + 1, steps - start_step % steps)
-        start_step = (initial_epoch + 1) * steps
-    if start_step // steps < args.epochs:
-        fit(start_step, args.epochs, steps)
-    elif not history:
-        log.info("already trained %d of %d epochs; evaluating only", initial_epoch, args.epochs)
-
-    result = hvdtrain.evaluate(model, test_ds)
-    ranks = runtime.rank_report(model)
-    if len({r["weights_sha256"] for r in ranks}) != 1:
-        raise HvdtrainError("ranks ended with different weights; this is a bug, please report it")
-    metrics = {
-        "prog": prog,
-        "size": size,
-        "epochs": args.epochs,
-        "initial_epoch": initial_epoch,
-        "resumed_from": resumed,
-        "steps_per_epoch": steps,
-        "steps_per_execution": fast["steps_per_execution"],
-        "batch_size": args.batch_size,
-        "global_batch_size": global_batch,
-        "deterministic": bool(args.deterministic),
-        "accumulate": args.accumulate,
-        "mixed_precision": policy,
-        "fp16_allreduce": bool(args.fp16_allreduce),
-        "lr_base": args.lr,
-        "lr_scaled": hvdtrain.scaled_lr(args.lr, size),
-        "lr_final": float(schedule(opt.iterations)),
-        "warmup_steps": warmup_steps,
-        "optimizer_iterations": int(opt.iterations),
-        "data_source": d.source,
-        "train_samples": len(x_train),
-        "test_samples": result["samples"],
-        "test_loss": result["loss"],
-        "test_accuracy": result["accuracy"],
-        "train_samples_per_sec": throughput.samples_per_sec,
-        "epoch_samples_per_sec": throughput.epoch_samples_per_sec,
-        "wall_seconds": time.perf_counter() - start,
-        "history": history,
-        "ranks": ranks,
-    }
-    if rank == 0:
-        if manager:
-            path = hvdtrain.export_model(
-                model, build_model, os.path.join(manager.directory, "model.keras"), policy
+        # Slots exist before any broadcast or restore (also what an elastic state needs).
+        opt.build(model.trainable_variables)
+        self.model, self.opt = model, opt
+        self.manager = None
+        if cfg.checkpoint_dir:
+            self.manager = CheckpointManager(
+                cfg.checkpoint_dir, model, opt, keep=cfg.keep_checkpoints
             )
-            metrics["exported_model"] = path
-        if args.metrics_json:
-            hvdtrain.write_json(args.metrics_json, metrics)
-        rate = throughput.samples_per_sec
-        log.info(
-            "test accuracy %.4f, loss %.4f on %d samples; %s samples/s; %.1f s",
-            result["accuracy"],
-            result["loss"],
-            result["samples"],
-            f"{rate:.0f}" if rate else "n/a",
-            metrics["wall_seconds"],
+
+    # -- start: data, resume, broadcast (collectives) ----------------------------------
+    def start(self, position=None):
+        """Prepares the data for the current ranks and the position to train from: the
+        newest checkpoint (first start), or `position` = (epoch, step in epoch, its global
+        batch) of an elastic state. Returns the global step."""
+        cfg, p = self.cfg, datamod.Placement.current()
+        self.place = p
+        self.log = get_logger(p.rank)  # after an elastic reset rank 0 may be another worker
+        first = self.data is None
+        # Every start, on every worker (one that joins an elastic job included): the same
+        # collectives in the same order. A loader may use collectives itself.
+        self.data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
+        runtime.agree(lambda: self.data.prepare(p, cfg.seed))
+        if first:
+            self.log.info("data: %s", self.data.describe())
+        steps = self.data.steps_per_epoch(cfg.batch_size * cfg.accumulate, p)
+        self.steps = steps = steps * cfg.accumulate  # whole accumulation cycles per epoch
+        self.global_batch = cfg.batch_size * p.size
+        # Horovod: the LR scale and warmup follow the number of ranks.
+        self.warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
+        optim.rescale_schedule(self.model, self.schedule, p.size, self.warmup_steps)
+        if position is None:
+            self.start_step = self._resume(steps)
+            # Horovod: start every rank from rank 0's weights and optimizer state.
+            optim.broadcast_initial_state(self.model, self.opt)
+        else:
+            epoch, step, batch = position
+            saved = {"epoch": epoch, "step": step, "global_batch": batch}
+            self.start_step = resume_step(saved, steps, self.global_batch)
+        self.opt.iterations.assign(self.start_step)  # the LR schedule follows this step
+        self.test_ds = self.data.eval_dataset(cfg.eval_batch_size, p)
+        return self.start_step
+
+    def _resume(self, steps):
+        if not self.manager:
+            return 0
+
+        def latest():
+            self.manager.check_writable()
+            found = self.manager.latest()
+            return found and self.manager.restore(found).to_dict()
+
+        # Horovod: rank 0 reads the checkpoint; the broadcast hands it to every rank.
+        import horovod.tensorflow as hvd
+
+        saved = runtime.agree(latest, root_only=True)
+        saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
+        if not saved:
+            return 0
+        step = resume_step(saved, steps, self.global_batch, self.cfg.accumulate)
+        self.resumed = {
+            "epoch": saved["epoch"],
+            "step": saved["step"],
+            "optimizer_iterations": step,
+        }
+        if saved.get("global_batch") not in (None, self.global_batch):
+            self.log.warning(
+                "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d: "
+                "resuming at epoch %d step %d (the same samples seen; the LR schedule follows "
+                "the step). The global batch changed: the results will differ.",
+                saved.get("size"),
+                saved["global_batch"] // (saved.get("size") or 1),
+                self.place.size,
+                self.cfg.batch_size,
+                step // steps + 1,
+                step % steps,
+            )
+        self.log.info(
+            "resuming at epoch %d, step %d of %d (global step %d) from %s",
+            step // steps + 1,
+            step % steps,
+            steps,
+            step,
+            self.manager.directory,
         )
-    return metrics
+        return step
+
+    # -- train -------------------------------------------------------------------------
+    def callbacks(self, extra=(), state_callbacks=(), commit=None):
+        """The callbacks of `fit`, in the order they must run."""
+        cfg, p, steps = self.cfg, self.place, self.steps
+        self.watchdog = watchdog.WatchdogCallback()  # a stuck rank ends the job: no hang
+        self.throughput = cb.ThroughputCallback(self.global_batch)
+        out = [
+            self.watchdog,
+            # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
+            cb.ModelStateAverageCallback(),
+            # Horovod: the metrics of all ranks' batches first, so everything after sees them.
+            metrics.MetricAverageCallback(
+                evaluate_fn=self.evaluate if self.data.has_test else None
+            ),
+            self.throughput,
+            *self.user_callbacks,
+            *state_callbacks,
+        ]
+        if cfg.deterministic:
+            out.insert(0, cb.DeterministicRandomness(cfg.seed, p.rank, self.start_step))
+        if p.rank == 0:
+            out.append(
+                cb.ProgressCallback(
+                    cfg.epochs,
+                    steps,
+                    self.global_batch,
+                    self.start_step,
+                    cfg.progress,
+                    cfg.progress_seconds,
+                )
+            )
+        if self.manager:
+            fields = {
+                "size": p.size,
+                "global_batch": self.global_batch,
+                "steps_per_epoch": steps,
+                "prog": self.prog,
+                "data": {"source": self.data.source, "samples": self.data.num_samples},
+            }
+            out.append(
+                cb.CheckpointCallback(
+                    self.manager, fields, steps, cfg.checkpoint_every, self.start_step
+                )
+            )
+        if commit is not None:
+            out.append(commit)
+        return out + cb.rank0_callbacks(cfg.log_dir) + list(extra)
+
+    def train(self, **callback_args):
+        cfg, steps, start = self.cfg, self.steps, self.start_step
+        callbacks = self.callbacks(**callback_args)
+        where = ""
+        if cfg.elastic:  # where this (re)start begins
+            where = f" from epoch {start // steps + 1}, step {start % steps} (global step {start})"
+        self.log.info(
+            "%straining on %d rank(s)%s: %d steps/epoch, batch %d/rank (%d global%s), lr %s -> "
+            "%s over %d steps, %d step(s) per execution%s",
+            "elastic: " if cfg.elastic else "",
+            self.place.size,
+            where,
+            steps,
+            cfg.batch_size,
+            self.global_batch,
+            f", {cfg.accumulate} accumulated" if cfg.accumulate > 1 else "",
+            f"{self.lr_base():g}" if isinstance(self.lr_base(), float) else self.lr_base(),
+            f"{self.lr_scaled():g}" if self.lr_scaled() else f"x{self.place.size}",
+            self.warmup_steps,
+            min(self.spe, steps),
+            f", {self.policy}" if self.policy else "",
+        )
+
+        def fit_(first, epochs, steps_this_epoch):
+            # A dataset per call: Keras starts each `fit` at the dataset's first batch.
+            train_ds = self.data.train_dataset(
+                cfg.batch_size, self.place, seed=cfg.seed, start_step=first, steps=steps,
+                epochs=cfg.epochs,
+            )  # fmt: skip
+            run = self.model.fit(
+                train_ds,
+                epochs=epochs,
+                initial_epoch=first // steps,
+                steps_per_epoch=steps_this_epoch,
+                callbacks=callbacks,
+                verbose=0,
+            )
+            for k, vs in run.history.items():
+                self.history.setdefault(k, []).extend(float(v) for v in vs)
+
+        try:
+            if start % steps and start // steps < cfg.epochs:  # finish the interrupted epoch
+                fit_(start, start // steps + 1, steps - start % steps)
+                start = (start // steps + 1) * steps
+            if start // steps < cfg.epochs:
+                fit_(start, cfg.epochs, steps)
+            elif not self.history:
+                self.log.info(
+                    "already trained %d of %d epochs; evaluating only", start // steps, cfg.epochs
+                )
+        except Exception as e:
+            raise _explained(e, self.place.rank) from None
+
+    def lr_base(self):
+        """The single-worker learning rate (a number), or its schedule's name."""
+        base = self.schedule.base_lr
+        return base if isinstance(base, float) else type(base).__name__
+
+    def lr_scaled(self):
+        """The learning rate x ranks after the warmup (a number; None for a schedule)."""
+        base = self.schedule.base_lr
+        return optim.scaled_lr(base, self.schedule.size) if isinstance(base, float) else None
+
+    # -- evaluate and finish -------------------------------------------------------------
+    def evaluate(self):
+        """The test metrics over all ranks ({} without test data)."""
+        if not self.data.has_test:
+            return {}
+        callbacks = [self.watchdog] if getattr(self, "watchdog", None) else None
+        return metrics.evaluate(self.model, self.test_ds, callbacks=callbacks)
+
+    def check(self):
+        """Every rank's host, pid and weights digest; identical weights or an error."""
+        ranks = runtime.rank_report(self.model)
+        if len({r["weights_digest"] for r in ranks}) != 1:
+            raise HvdtrainError(
+                "ranks ended with different weights; this is a bug, please report it"
+            )
+        return ranks
+
+    def finish(self, result, ranks=None, **more):
+        """The metrics dict; rank 0 exports the model and writes the metrics JSON."""
+        cfg, p = self.cfg, self.place
+        ranks = ranks or self.check()
+        rates = self.throughput
+        out = {
+            "prog": self.prog,
+            "size": p.size,
+            "epochs": cfg.epochs,
+            "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // self.steps,
+            "resumed_from": self.resumed,
+            "steps_per_epoch": self.steps,
+            "steps_per_execution": min(self.spe, self.steps),
+            "batch_size": cfg.batch_size,
+            "global_batch_size": self.global_batch,
+            "deterministic": cfg.deterministic,
+            "accumulate": cfg.accumulate,
+            "mixed_precision": self.policy,
+            "fp16_allreduce": cfg.fp16_allreduce,
+            "lr_base": self.lr_base(),
+            "lr_scaled": self.lr_scaled(),
+            "lr_final": float(self.schedule(self.opt.iterations)),
+            "warmup_steps": self.warmup_steps,
+            "optimizer_iterations": int(self.opt.iterations),
+            "data_source": self.data.source,
+            "train_samples": self.data.num_samples,
+            "test": result,
+            "test_samples": result.get("samples", 0),
+            "test_loss": result.get("loss"),
+            "test_accuracy": result.get("accuracy"),
+            "train_samples_per_sec": rates.samples_per_sec if rates else None,
+            "epoch_samples_per_sec": rates.epoch_samples_per_sec if rates else [],
+            "wall_seconds": time.perf_counter() - self.wall,
+            "history": self.history,
+            "ranks": ranks,
+            **more,
+        }
+        if p.rank == 0:
+            if self.manager:
+                path = os.path.join(self.manager.directory, "model.keras")
+                out["exported_model"] = files.export_model(
+                    self.model, self.build_model, path, self.policy
+                )
+            if cfg.metrics_json:
+                files.write_json(cfg.metrics_json, out)
+            shown = ", ".join(
+                f"{k} {v:.4f}" for k, v in result.items() if k != "samples" and isinstance(v, float)
+            )
+            rate = out["train_samples_per_sec"]
+            self.log.info(
+                "test: %s on %d samples; %s samples/s; %.1f s",
+                shown or "n/a",
+                result.get("samples", 0),
+                f"{rate:.0f}" if rate else "n/a",
+                out["wall_seconds"],
+            )
+        return out
 
 
-def main(parser, argv, run):
-    """The CLI edge of an entry point: user errors print one line and exit 2."""
-    prog = parser.prog.removeprefix("python -m ")
+def main(run, argv=None, prog=None):
+    """The CLI edge of an entry point: `run(argv)`; a user error prints one line, exit 2."""
     try:
-        run(parse(parser, argv))
+        return run(argv)
     except HvdtrainError as e:
-        from hvdtrain.errors import exit_with_error
-
-        exit_with_error(prog, e)
+        exit_with_error(prog or os.path.basename(sys.argv[0] or "hvdtrain"), e)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+# -- helpers ---------------------------------------------------------------------------
+def _policy(choice):
+    import tensorflow as tf
+
+    if not choice:
+        return None
+    if choice == "auto":
+        choice = "float16" if tf.config.list_physical_devices("GPU") else "bfloat16"
+    return f"mixed_{choice}"
+
+
+def _compiled(model):
+    """(compile arguments, optimizer) of the model `build_model` returned."""
+    import tensorflow as tf
+
+    compat.require_keras2()
+    if not isinstance(model, tf.keras.Model):
+        raise invalid_value(
+            "build_model",
+            f"a function returning {type(model).__name__}",
+            "a function returning a tf.keras.Model (Keras 2: use tf.keras, never `import keras`)",
+        )
+    config = getattr(getattr(model, "_compile_config", None), "config", None)
+    opt = getattr(model, "optimizer", None)
+    if not config or opt is None or config.get("loss") is None:
+        raise invalid_value(
+            "build_model",
+            "a model that is not compiled (or has no loss)",
+            "a model compiled with its optimizer, loss and metrics: model.compile(...)",
+        )
+    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
+        opt = opt.inner_optimizer  # Keras adds one under mixed_float16; fit puts its own around
+    if optim.is_distributed(opt):
+        raise invalid_value(
+            "build_model",
+            f"a model compiled with {type(opt).__name__} (already distributed)",
+            "a plain Keras optimizer: hvdtrain.fit adds Horovod's wrapper",
+        )
+    return config, opt
+
+
+def _base_lr(opt):
+    import tensorflow as tf
+
+    lr = getattr(opt, "_learning_rate", None)
+    if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule):
+        return lr
+    lr = opt.learning_rate
+    if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule):
+        return lr
+    return float(tf.keras.backend.get_value(lr))
+
+
+def _float32_outputs(model):
+    import tensorflow as tf
+
+    outputs = [
+        tf.keras.layers.Activation("linear", dtype="float32")(o) if o.dtype != tf.float32 else o
+        for o in tf.nest.flatten(model.outputs)
+    ]
+    return tf.keras.Model(
+        model.inputs, outputs[0] if len(outputs) == 1 else outputs, name=model.name
+    )
+
+
+def _as_data(source, limit=None):
+    if callable(source) and not isinstance(source, datamod.Data):
+        source = source()
+    d = datamod.as_data(source)
+    if limit:
+        if not isinstance(d, datamod.ArrayData):
+            raise invalid_value("--limit-samples", limit, "no value: it limits in-memory arrays")
+        d = d.limit(limit)
+    return d
+
+
+def _explained(error, rank):
+    """A training error with what the user can do about it, or the error itself."""
+    import tensorflow as tf
+
+    text = str(error)
+    if isinstance(error, tf.errors.FailedPreconditionError) and "expected to contain" in text:
+        got = text.split("contained only", 1)[-1].strip().split(" ")[0]
+        return HvdtrainError(
+            f"rank {rank}'s training data ran out: its dataset gave {got} samples of an epoch "
+            "that needs (num_samples // ranks // batch) x batch; make `train_fn` give at least "
+            "that many (or lower num_samples)",
+            every_rank=False,
+        )
+    return error

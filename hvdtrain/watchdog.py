@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from hvdtrain.errors import env_rank, invalid_value
 
-__all__ = ["Watchdog", "WatchdogCallback", "EXIT_CODE", "last_activity"]
+__all__ = ["Watchdog", "WatchdogCallback", "EXIT_CODE", "last_activity", "waiting"]
 
 EXIT_CODE = 124  # as timeout(1): the process was ended for taking too long
 FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
@@ -38,6 +38,14 @@ _latest = []  # the watchdog started last in this process
 def last_activity():
     """What this rank was last doing, as its most recently started watchdog knows it."""
     return _latest[0]._last[1] if _latest else None
+
+
+def waiting(what):
+    """Tells this process's watchdog (the one started last, if running) that it is in a
+    collective, waiting for the other ranks (twice the time): for collectives between
+    steps, so that a rank stuck on its own is the one named."""
+    if _latest and _latest[0]._thread is not None:
+        _latest[0].beat(what, waiting=True)
 
 
 def _end_process(message):

@@ -32,6 +32,9 @@ HOROVOD_VERSION=0.28.1
 SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 patch_file="$here/horovod-$HOROVOD_VERSION.patch"
+# The build records the patch it carries; a changed patch means a rebuild.
+PATCH_SHA256=$(sha256sum "$patch_file" | cut -d' ' -f1)
+export PATCH_SHA256
 bindir=$(cd "$(dirname "$PYTHON")" && pwd)
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
 
@@ -59,8 +62,8 @@ for line in out.splitlines():
     found = re.match(r"\s*\[X\]\s+(\S+)", line)
     if found and section != "Available Frameworks:":
         names.append(found.group(1))
-patched = os.path.join(root, "tensorflow", "keras", "callbacks.py")
-if os.path.exists(patched) and "hvdtrain:" in open(patched).read():
+marker = os.path.join(root, ".hvdtrain-patch")
+if os.path.exists(marker) and open(marker).read().strip() == os.environ["PATCH_SHA256"]:
     names.append("patched")
 print(" ".join(dict.fromkeys(names)))
 EOF
@@ -76,7 +79,7 @@ has_all() {  # has_all "built list" name...: every name is in the list
 
 installed=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
 if [ "$installed" = "$HOROVOD_VERSION" ] && has_all "$(built || true)" "${wanted[@]}" patched; then
-  echo "install_horovod: Horovod $HOROVOD_VERSION (patched) already built with ${wanted[*]}; skipping"
+  echo "install_horovod: Horovod $HOROVOD_VERSION (with $(basename "$patch_file")) already built with ${wanted[*]}; skipping"
   exit 0
 fi
 
@@ -114,6 +117,9 @@ CONSTRAINTS=${CONSTRAINTS:-$here/../constraints.txt}
 "$PYTHON" -m pip install -q --no-build-isolation --no-cache-dir --force-reinstall --no-deps "$src"
 # Horovod's own runtime dependencies (cloudpickle, psutil, pyyaml, packaging, cffi).
 "$PYTHON" -m pip install -q "${constraints[@]}" cloudpickle psutil pyyaml packaging cffi
+"$PYTHON" -c 'import importlib.util, os
+root = importlib.util.find_spec("horovod").submodule_search_locations[0]
+open(os.path.join(root, ".hvdtrain-patch"), "w").write(os.environ["PATCH_SHA256"] + "\n")'
 
 have=$(built || true)
 echo "install_horovod: Horovod $HOROVOD_VERSION built with: ${have/ patched/} (frameworks by their extension libraries)"

@@ -26,10 +26,11 @@ def job_env(**extra):
     return env
 
 
-def launch_argv(np, backend):
+def launch_argv(np, backend, hosts=None):
     """The launcher prefix for `np` local ranks: gloo, mpi (both horovodrun) or mpirun."""
     if backend in ("gloo", "mpi"):
-        return [f"{BIN}/horovodrun", "-np", str(np), "-H", f"localhost:{np}", f"--{backend}"]
+        hosts = hosts or f"localhost:{np}"
+        return [f"{BIN}/horovodrun", "-np", str(np), "-H", hosts, f"--{backend}"]
     if backend == "mpirun":
         root = ["--allow-run-as-root"] if os.getuid() == 0 else []
         return [
@@ -47,9 +48,9 @@ def launch_argv(np, backend):
     raise ValueError(backend)
 
 
-def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, **env):
+def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, hosts=None, **env):
     """Runs `python args...` on `np` ranks and returns the CompletedProcess (text output)."""
-    argv = launch_argv(np, backend) + [sys.executable, *args]
+    argv = launch_argv(np, backend, hosts) + [sys.executable, *args]
     proc = subprocess.run(
         argv, env=job_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )

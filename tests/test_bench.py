@@ -78,6 +78,9 @@ def test_quick_run_writes_json_markdown_and_png(quick):
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
         assert (r["backend"] == "mpi") == ("raw_mpi_seconds" in r)
     assert data["projection"]["rows"] and data["projection"]["paper_check"]
+    inp = data["input"]  # the convnet from memory, from TFRecord files, the pipeline alone
+    assert inp["memory"] > 0 and inp["files"] > 0 and inp["pipeline"] > 0
+    assert inp["files_vs_memory"] == pytest.approx(inp["files"] / inp["memory"])
     [ceiling] = data["ceiling"]  # n unconnected one-core runs side by side, against one alone
     assert (ceiling["model"], ceiling["batch_size"], ceiling["np"]) == ("mlp", 64, n)
     assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0

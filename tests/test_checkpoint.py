@@ -37,9 +37,9 @@ def test_save_and_restore_round_trip_weights_and_optimizer_state(tmp_path):
     assert int(optimizer.iterations) == 3
 
     fresh, fresh_opt = _model_and_optimizer(seed=1)
-    epoch, path, manifest = CheckpointManager(tmp_path, fresh, fresh_opt).latest()
-    assert epoch == 1 and path.endswith("epoch-0001")
-    assert CheckpointManager(tmp_path, fresh, fresh_opt).restore(path, manifest) == 1
+    found = CheckpointManager(tmp_path, fresh, fresh_opt).latest()
+    assert found.epoch == 1 and found.step == 0 and found.path.endswith("epoch-0001")
+    assert CheckpointManager(tmp_path, fresh, fresh_opt).restore(found) == found
     for a, b in zip(saved_w, fresh.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert len(saved_opt) == len(fresh_opt.variables) > 1
@@ -62,7 +62,7 @@ def test_half_written_or_damaged_checkpoints_are_never_latest(tmp_path, caplog):
     data.write_bytes(data.read_bytes()[:10])
     # A checkpoint folder without a manifest.
     (tmp_path / "epoch-0005").mkdir()
-    assert manager.latest()[0] == 2
+    assert manager.latest().epoch == 2
     assert "skipping damaged checkpoint" in caplog.text
     manager.check_writable()  # cleans the temporary leftovers
     assert not (tmp_path / ".epoch-0003.tmp-999").exists()
@@ -83,9 +83,8 @@ def test_a_checkpoint_of_a_different_model_is_refused(tmp_path):
     CheckpointManager(tmp_path, model, optimizer).save(1)
     other, other_opt = _model_and_optimizer(width=16)
     manager = CheckpointManager(tmp_path, other, other_opt)
-    _, path, manifest = manager.latest()
     with pytest.raises(HvdtrainError, match="different model"):
-        manager.restore(path, manifest)
+        manager.restore(manager.latest())
 
 
 def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
@@ -94,3 +93,23 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
     model, optimizer = _model_and_optimizer()
     with pytest.raises(HvdtrainError, match="expected a writable directory"):
         CheckpointManager(blocker / "ckpt", model, optimizer).check_writable()
+
+
+def test_the_manifest_has_a_format_version_and_an_unknown_one_is_refused(tmp_path):
+    """Format 2 is written; format 1 (hvdtrain 0.1's, fields at the top level) is read;
+    any other version is refused with both versions named, never skipped as damaged."""
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer)
+    manager.save(1, size=2, global_batch=64, steps_per_epoch=10, extra={"note": "x"})
+    path = tmp_path / "epoch-0001" / "manifest.json"
+    written = json.loads(path.read_text())
+    assert written["format"] == 2 and written["size"] == 2 and written["extra"] == {"note": "x"}
+    found = manager.latest()
+    assert (found.size, found.global_batch, found.global_step) == (2, 64, 10)
+    old = {k: v for k, v in written.items() if k not in ("data", "extra")}  # as 0.1 wrote it
+    path.write_text(json.dumps({**old, "format": 1, "note": "x"}))
+    found = manager.latest()
+    assert found.format == 1 and found.size == 2 and found.extra == {"note": "x"}
+    path.write_text(json.dumps({**written, "format": 3}))
+    with pytest.raises(HvdtrainError, match="it has format 3; this hvdtrain reads formats 1, 2"):
+        manager.latest()

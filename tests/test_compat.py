@@ -25,9 +25,11 @@ def test_new_tensorflow_needs_tf_keras():
 
 def test_keras3_as_tf_keras_names_the_fix():
     problem = keras_problem("2.21.0", True, "keras", "3.15.1", None)
-    assert "tf.keras is Keras 3.15.1" in problem and "it was unset" in problem
-    assert "TF_USE_LEGACY_KERAS=1" in problem
-    assert keras_problem("2.21.0", True, "keras", "3.15.1", "0").count("TF_USE_LEGACY_KERAS=0")
+    assert "tf.keras is Keras 3.15.1" in problem and "TF_USE_LEGACY_KERAS=unset" in problem
+    assert "Set TF_USE_LEGACY_KERAS=1" in problem
+    assert "TF_USE_LEGACY_KERAS=0" in keras_problem("2.21.0", True, "keras", "3.15.1", "0")
+    late = keras_problem("2.21.0", True, "keras", "3.15.1", "1")  # set by hvdtrain, too late
+    assert "tf.keras was used before TF_USE_LEGACY_KERAS=1 was set" in late
 
 
 def test_tf_keras_is_fine():
@@ -59,7 +61,7 @@ def test_importing_hvdtrain_gives_keras2_even_after_tensorflow(tmp_path):
 @pytest.mark.parametrize("legacy", [None, "0"])
 def test_keras3_fixed_before_hvdtrain_is_one_clear_error(tmp_path, legacy):
     """A script that used tf.keras (Keras 3) before importing hvdtrain, or that turned the
-    variable off: one line naming the fix, no traceback (Horovod's or ours), exit 1."""
+    variable off: one line naming the fix, no traceback (Horovod's or ours), exit 2."""
     import tensorflow as tf
 
     if tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 16):
@@ -70,7 +72,7 @@ def test_keras3_fixed_before_hvdtrain_is_one_clear_error(tmp_path, legacy):
         "import tensorflow as tf\ntf.keras.layers.Dense(1)\nimport hvdtrain\nhvdtrain.init()\n",
         **env,
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: tf.keras is Keras 3"), lines
     assert "Set TF_USE_LEGACY_KERAS=1" in lines[0]

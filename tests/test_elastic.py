@@ -191,11 +191,11 @@ def test_horovod_elastic_pitfalls_and_their_fixes(tmp_path):
 class Job:
     """`hvdtrain-run ...` in its own session; its output read line by line in a thread."""
 
-    def __init__(self, argv, marker):
+    def __init__(self, argv, marker, **env):
         self.marker = marker
         self.proc = subprocess.Popen(
             [RUN, *argv],
-            env=job_env(**ELASTIC_ENV),
+            env=job_env(**ELASTIC_ENV, **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -356,8 +356,8 @@ def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
     assert m["size"] == 2 and sorted(r["rank"] for r in m["ranks"]) == [0, 1]
     assert len({r["pid"] for r in m["ranks"]}) == 2
     # The new worker got rank 0's weights and optimizer state, and trained in step with it.
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
-    assert len({r["optimizer_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    assert len({r["optimizer_digest"] for r in m["ranks"]}) == 1
     (reset,) = e["resets"]
     assert reset["reason"] == "hosts changed" and reset["redone_steps"] == 0
     assert (reset["size_before"], reset["size_after"]) == (1, 2)
@@ -368,6 +368,31 @@ def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
     assert after["batch"] == reset["restored"]["batch"] // 2  # the same samples seen
     assert m["steps_per_epoch"] == 40 and m["lr_scaled"] == pytest.approx(2e-3)
     assert m["optimizer_iterations"] == 4 * 40 and len(m["history"]["loss"]) == 4
+
+
+def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):
+    """A user's script (tests/workers/recipe.py: its own model and data) through
+    `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1 stops making progress
+    mid-epoch; its watchdog ends it after the stall time, and rank 0 goes on alone from the
+    last commit."""
+    metrics = tmp_path / "m.json"
+    job = Job(
+        ["--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--", sys.executable,
+         worker("recipe.py"), "--elastic", "--epochs", "3", "--commit-every", "5",
+         "--stall-at", "20", "--threads", "1", "--metrics-json", str(metrics)],
+        marker=str(metrics),
+        HVDTRAIN_STALL_SHUTDOWN_SECONDS="5",
+    )  # fmt: skip
+    jobs.append(job)
+    job.wait_for(r"rank 1: stalling after step 20")
+    job.wait_for(r"hvdtrain: rank 1 made no progress for \d+ s")
+    job.wait_for(r"elastic: a worker failed; 2 -> 1 rank\(s\)")
+    assert job.finish() == 0, job.output()[-6000:]
+    m = json.loads(metrics.read_text())
+    assert m["size"] == 1 and m["steps_per_execution"] > 1  # both in the elastic run
+    (reset,) = m["elastic"]["resets"]
+    assert 0 <= reset["redone_steps"] <= 5 + m["steps_per_execution"] - 1
+    assert m["optimizer_iterations"] == 3 * m["steps_per_epoch"] and m["test_samples"] == 101
 
 
 def test_launch_args_namespace_is_not_mutated():

@@ -59,7 +59,7 @@ def test_keras_fit_on_two_ranks(tmp_path):
     )
     m = json.loads(metrics.read_text())
     assert [r["rank"] for r in m["ranks"]] == [0, 1]
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
     assert len(m["history"]["loss"]) == 2 and 0 <= m["test"]["accuracy"] <= 1
     assert sorted(os.listdir(ckpt)) == ["epoch-01.weights.h5", "epoch-02.weights.h5"]
     output = proc.stdout + proc.stderr
@@ -76,7 +76,7 @@ def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
     assert m["size"] == 2 and m["start_epoch"] == 0 and m["optimizer_steps"] == 10
     assert [h["epoch"] for h in m["history"]] == [1, 2]
     assert [r["rank"] for r in m["ranks"]] == [0, 1]
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
     assert sorted(os.listdir(ckpt)) == ["epoch-0001", "epoch-0002"]
     manifest = json.loads((ckpt / "epoch-0002" / "manifest.json").read_text())
     assert manifest["written_by"]["pid"] == m["ranks"][0]["pid"]  # rank 0 wrote it
@@ -88,4 +88,50 @@ def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
     m = json.loads(metrics.read_text())
     assert m["start_epoch"] == 2 and m["optimizer_steps"] == 15  # optimizer state restored
     assert [h["epoch"] for h in m["history"]] == [3]
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+
+
+def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_path):
+    """examples/tfrecord_train.py: the embedded digits written as TFRecord files, a model
+    with BatchNorm trained on 2 ranks, SIGKILLed mid-epoch after its step-20 checkpoint; the
+    same command again resumes there and finishes."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import JOB_TIMEOUT, job_env, launch_argv
+
+    data, ckpt, metrics = tmp_path / "data", tmp_path / "ckpt", tmp_path / "m.json"
+    argv = launch_argv(2, "gloo") + [
+        sys.executable, os.path.join(EXAMPLES, "tfrecord_train.py"), "--epochs", "2",
+        "--data-dir", str(data), "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics),
+        "--threads", "1", "--progress", "off",
+    ]  # fmt: skip
+    job = subprocess.Popen(
+        argv, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in job.stdout:  # the checkpoint 20 steps into epoch 1, then the kill
+            lines.append(line)
+            if "saved checkpoint" in line and "(epoch 1, step 20)" in line:
+                os.killpg(job.pid, signal.SIGKILL)
+                break
+        job.wait(timeout=JOB_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert any("(epoch 1, step 20)" in line for line in lines), "".join(lines[-40:])
+    assert sorted(os.listdir(data)) == ["test-0.tfrecord"] + [
+        f"train-{i}.tfrecord" for i in range(6)
+    ]
+    assert not metrics.exists()
+
+    proc = run_job(2, "gloo", argv[len(launch_argv(2, "gloo")) + 1 :])
+    m = json.loads(metrics.read_text())
+    assert m["resumed_from"] == {"epoch": 0, "step": 20, "optimizer_iterations": 20}
+    assert m["data_source"] == "files" and m["train_samples"] == 4500
+    assert m["test_samples"] == 500 and m["test"]["accuracy"] > 0.5
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1  # BatchNorm averaged
+    assert "resuming at epoch 1, step 20" in proc.stdout + proc.stderr

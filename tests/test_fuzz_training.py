@@ -277,10 +277,10 @@ def test_checkpoint_latest(tmp_path_factory, manifest, extra):
         one_line(e)
         found = None
     if found is not None:  # only a checkpoint whose every file checks out
-        epoch, path, data = found
-        assert epoch == 1 and data["epoch"] == 1 and isinstance(data["files"], dict)
-        assert data["files"] and all(os.path.isfile(os.path.join(path, n)) for n in data["files"])
-        assert all(os.path.dirname(n) == "" and n not in (".", "..") for n in data["files"])
+        path, files = found.path, found.files
+        assert found.epoch == 1 and isinstance(files, dict)
+        assert files and all(os.path.isfile(os.path.join(path, n)) for n in files)
+        assert all(os.path.dirname(n) == "" and n not in (".", "..") for n in files)
     assert snapshot(root) == before  # latest() writes nothing
 
 
@@ -331,6 +331,6 @@ def test_checkpoint_restore(saved, tmp_path_factory, fields, drop, garble):
     try:
         found = mine.latest()
         if found is not None:
-            assert mine.restore(found[1], found[2]) == 1
+            assert mine.restore(found).epoch == 1
     except HvdtrainError as e:
         one_line(e)

@@ -26,6 +26,7 @@ KERAS2 = {"TF_USE_LEGACY_KERAS": "1"}  # every backend gives it to every rank
 
 
 def config(backend, **kw):
+    kw.setdefault("keras2", True)  # TensorFlow >= 2.16, whatever this environment has
     return LaunchConfig(backend=backend, np=4, hosts=HOSTS, command=CMD, **kw)
 
 

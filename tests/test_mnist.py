@@ -31,7 +31,7 @@ def test_one_epoch_on_two_ranks(backend, tmp_path):
     assert m["data_source"] == "embedded" and m["test_samples"] == 500
     assert m["test_accuracy"] > 0.8 and m["train_samples_per_sec"] > 0 and m["wall_seconds"] > 0
     assert sorted(r["local_rank"] for r in m["ranks"]) == [0, 1]
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
     # Rank 0 alone prints and writes: checkpoints, TensorBoard events, the export.
     assert _rank_lines(proc.stdout + proc.stderr, 0) and not _rank_lines(
         proc.stdout + proc.stderr, 1
@@ -134,7 +134,7 @@ def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path
     }
     assert m["optimizer_iterations"] == 3 * steps
     assert len(m["history"]["loss"]) == 3 - latest
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
 
 
 def _one_error_line(proc, match, launcher_traceback=False):

@@ -38,7 +38,7 @@ def test_mnist_epoch_with_ranks_on_two_hosts(hosts, backend, tmp_path):
     by_host = {r["hostname"]: r for r in m["ranks"]}
     assert set(by_host) == set(hosts.hostnames)
     assert {r["local_rank"] for r in m["ranks"]} == {0}  # local rank 0 on each host
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
     manifest = json.loads((ckpt / "epoch-0001" / "manifest.json").read_text())
     rank0 = next(r for r in m["ranks"] if r["rank"] == 0)
     assert manifest["written_by"] == {"host": rank0["hostname"], "pid": rank0["pid"]}

@@ -45,4 +45,4 @@ def test_sbatch_template_trains_on_two_ranks(slurm, backend, tmp_path):
     m = json.loads(metrics.read_text())
     assert m["size"] == 2 and m["epochs"] == 1
     assert sorted(r["rank"] for r in m["ranks"]) == [0, 1]
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1

@@ -82,3 +82,22 @@ def test_importing_hvdtrain_does_not_import_tensorflow():
     code = "import hvdtrain, sys; print('tensorflow' in sys.modules, 'horovod' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_mistakes_with_the_building_blocks_are_clear_errors():
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvdtrain
+
+    with pytest.raises(HvdtrainError, match="Invalid value for `batch_size`: received 0"):
+        hvdtrain.steps_per_epoch(100, 0, 2)
+    with pytest.raises(HvdtrainError, match="Invalid value for `size`: received 0"):
+        hvdtrain.steps_per_epoch(100, 10, 0)
+    if not hvd.is_initialized():
+        with pytest.raises(HvdtrainError, match=r"call hvdtrain\.init\(\) first"):
+            hvdtrain.is_main_process()
+    hvdtrain.init(threads=1)
+    wrapped = hvdtrain.distributed_optimizer(tf.keras.optimizers.SGD(0.1))
+    with pytest.raises(HvdtrainError, match="already distributed"):
+        hvdtrain.distributed_optimizer(wrapped)  # Horovod itself recursed without end

@@ -13,7 +13,7 @@ from hvdtrain.errors import HvdtrainError
 
 def _metrics(path):
     m = json.loads(path.read_text())
-    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1  # ranks in sync
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1  # ranks in sync
     return m
 
 

@@ -18,6 +18,7 @@ from hvdtrain.bench import project as project_mod
 from hvdtrain.bench import report
 from hvdtrain.bench.runner import INDEPENDENT, Run, execute, quiet_wait
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "parse_args", "plan_runs", "TUNING", "SWEEP_SIZES", "QUICK_SWEEP_SIZES"]
 
@@ -92,9 +93,9 @@ TUNING_DEFAULTS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
+def _Parser(**kwargs):
+    kwargs.pop("formatter_class", None)
+    return ArgumentParser(training=False, **kwargs)
 
 
 def _parser():
@@ -118,6 +119,9 @@ def _parser():
     p.add_argument("--no-tuning", action="store_true", help="skip the tuning experiments")
     p.add_argument("--no-sweep", action="store_true", help="skip the allreduce sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the Horovod timelines")
+    p.add_argument(
+        "--no-input", action="store_true", help="skip the input pipeline (TFRecord) comparison"
+    )
     p.add_argument("--cores-per-rank", type=int, default=1, help="cores bound to each rank (1)")
     p.add_argument(
         "--quiet-wait",
@@ -163,6 +167,7 @@ def parse_args(argv=None):
     args.tuning = not (args.no_tuning or args.quick)
     args.sweep = not args.no_sweep
     args.profile = not (args.no_profile or args.quick)
+    args.input = not args.no_input
     args.sweep_sizes = QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES
     if args.quiet_wait is None:
         args.quiet_wait = 0 if args.quick else 60
@@ -210,6 +215,25 @@ def plan_runs(args):
             if variant == "hvdtrain":  # the same N cores busy with no communication at all
                 name = f"ceiling-np{args.np}{suffix}"
                 runs.append(Run(name, variant, args.np, INDEPENDENT, common, group="ceiling"))
+    if args.input:
+        # The convnet from memory and from TFRecord files, and the file pipeline alone, side
+        # by side in each round (the order turned round every other one), on the default
+        # backend of one host.
+        backend = "mpi" if "mpi" in args.backends else args.backends[0]
+        order = ["hvdtrain", "hvdtrain-tfrecord", "input-tfrecord"]
+        for r in range(args.rounds):
+            suffix = f"-r{r + 1}" if args.rounds > 1 else ""
+            for variant in order[:: -1 if r % 2 else 1]:
+                runs.append(
+                    Run(
+                        f"input-{variant}-np{args.np}-{backend}{suffix}",
+                        variant,
+                        args.np,
+                        backend,
+                        _worker_args(args, ["convnet"], [64]),
+                        group="input",
+                    )
+                )
     if args.tuning:
         planned = {}  # one job per distinct configuration; knobs that share it are tagged
         for knob, setting, np, backend, env, extra, model in TUNING:

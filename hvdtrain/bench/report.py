@@ -295,6 +295,33 @@ def _profiles(records, figures, sweep, gradient_bytes):
     return out
 
 
+INPUT_GOAL = 0.95  # training from files / from memory
+
+
+def _input(records):
+    """The input-pipeline comparison: per variant the median samples/s over the rounds."""
+    by = {}
+    for rec in records:
+        if rec["group"] == "input":
+            for r in rec["results"]:
+                by.setdefault(r["variant"], []).append(r["samples_per_sec"])
+    if not by:
+        return None
+    memory, files = _median(by.get("hvdtrain", [])), _median(by.get("hvdtrain-tfrecord", []))
+    pipeline = _median(by.get("input-tfrecord", []))
+    ratio = files / memory if files and memory else None
+    return {
+        "memory": memory,
+        "files": files,
+        "pipeline": pipeline,
+        "rounds": by,
+        "files_vs_memory": ratio,
+        "pipeline_vs_training": pipeline / files if pipeline and files else None,
+        "goal": INPUT_GOAL,
+        "met": None if ratio is None else ratio >= INPUT_GOAL,
+    }
+
+
 def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_bytes=None):
     """{figures, comparison, targets, tuning, allreduce} from the job records."""
     figures = _figures(records)
@@ -310,6 +337,7 @@ def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_
         "tuning": _tuning(records, tuning_defaults or {}),
         "allreduce": sweep,
         "profile": _profiles(records, figures, sweep, gradient_bytes),
+        "input": _input(records),
     }
 
 
@@ -413,6 +441,25 @@ def markdown(data):
                 f"| {c['model']} | {c['batch_size']} | {_fmt(c['alone'])} | "
                 f"{_fmt(c['side_by_side'])} | {_fmt(c['ceiling'], '.2f')} |"
             )
+    inp = data.get("input")
+    if inp:
+        met = "n/a" if inp["met"] is None else ("yes" if inp["met"] else "**no**")
+        lines += [
+            "",
+            f"## Input pipeline: the convnet from memory and from TFRecord files (-np {n}, "
+            "batch 64)",
+            "",
+            "The same samples, in memory (`ArrayData`) or in 8 TFRecord files of uneven sizes "
+            "(`FileData`: read, shuffled in a buffer, parsed, batched); the pipeline alone "
+            "draws the same batches on every rank at once, with no model.",
+            "",
+            "| training from memory | training from files | files / memory | goal | met | "
+            "pipeline alone | pipeline / training |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| {_fmt(inp['memory'])} | {_fmt(inp['files'])} | "
+            f"{_fmt(inp['files_vs_memory'], '.3f')} | >= {inp['goal']:g} | {met} | "
+            f"{_fmt(inp['pipeline'])} | {_fmt(inp['pipeline_vs_training'], '.1f')}x |",
+        ]
     if data["tuning"]:
         lines += [
             "",

@@ -15,6 +15,11 @@ Variants, all on the same synthetic data, models, per-rank batch and cores:
   tutorial (TF_CONFIG set by the launcher, global batch = per-worker batch x workers).
 - `keras`: plain Keras `fit`, no Horovod, one process (the reference for `hvdtrain` at -np 1);
   `--steps-per-execution` gives it the same compile settings as hvdtrain.
+- `hvdtrain-tfrecord`: `hvdtrain` with the same samples read from TFRecord files through
+  `hvdtrain.FileData` (written once per host under HVDBENCH_DATA, by default the system's
+  temporary folder), instead of from memory.
+- `input-tfrecord`: that TFRecord pipeline alone, no model: its batches per second on every
+  rank at once, against which the training step's rate is compared.
 
 Each process first binds itself to its share of the cores (local rank r gets cores
 r*c .. r*c+c-1 of those it may use, c = HVDBENCH_CORES_PER_RANK, default 1), before
@@ -37,7 +42,7 @@ __all__ = ["main", "bind_to_cores", "local_rank_from_env", "result_key", "MARKER
 
 MARKER = "@@hvdbench "
 CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window
-VARIANTS = ("hvdtrain", "baseline", "mwms", "keras")
+VARIANTS = ("hvdtrain", "baseline", "mwms", "keras", "hvdtrain-tfrecord", "input-tfrecord")
 _RECORDED_ENV = ("HOROVOD_", "OMPI_MCA_", "HVDBENCH_", "OMP_NUM_THREADS", "TF_ENABLE_ONEDNN")
 _LOCAL_RANK_VARS = ("HVDBENCH_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
@@ -142,7 +147,78 @@ def _loss():
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _run_hvdtrain(args, model_name, batch, steps, x, y):
+def tfrecord_data(x, y):
+    """`hvdtrain.FileData` over `x`, `y` written as 8 TFRecord files of uneven sizes (local
+    rank 0 of each host writes them once; the others wait)."""
+    import tempfile
+
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdtrain
+
+    root = os.environ.get("HVDBENCH_DATA") or tempfile.gettempdir()
+    folder = os.path.join(root, f"hvdbench-tfrecord-{len(x)}")
+    done = os.path.join(folder, "done")
+    if hvd.local_rank() == 0 and not os.path.exists(done):
+        os.makedirs(folder, exist_ok=True)
+        bounds = np.linspace(0, len(x), 9).astype(int) + np.array([0, 3, -5, 7, -2, 4, -6, 1, 0])
+        for i in range(8):
+            path = os.path.join(folder, f"part-{i}.tfrecord")
+            with tf.io.TFRecordWriter(path) as w:
+                for j in range(bounds[i], bounds[i + 1]):
+                    f = {
+                        "x": tf.train.Feature(
+                            bytes_list=tf.train.BytesList(value=[x[j].tobytes()])
+                        ),
+                        "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[j]])),
+                    }
+                    w.write(
+                        tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString()
+                    )
+        with open(done, "w") as f:
+            f.write("ok")
+    hvd.broadcast_object(None, name="hvdbench.tfrecord")  # the files exist everywhere
+
+    def parse(record):
+        spec = {"x": tf.io.FixedLenFeature([], tf.string), "y": tf.io.FixedLenFeature([], tf.int64)}
+        f = tf.io.parse_single_example(record, spec)
+        return tf.reshape(tf.io.decode_raw(f["x"], tf.float32), (28, 28, 1)), f["y"]
+
+    data = hvdtrain.FileData(os.path.join(folder, "part-*.tfrecord"), parse)
+    data.prepare(hvdtrain.Placement.current())
+    return data
+
+
+def _input_dataset(x, y, batch, steps, epochs, files):
+    import horovod.tensorflow as hvd
+
+    import hvdtrain
+
+    if not files:
+        return hvdtrain.train_dataset(x, y, batch, hvd.rank(), hvd.size())
+    data = tfrecord_data(x, y)
+    p = hvdtrain.Placement.current()
+    steps = min(steps, data.steps_per_epoch(batch, p))
+    return data.train_dataset(batch, p, seed=0, start_step=0, steps=steps, epochs=epochs)
+
+
+def _run_input(args, batch, steps, x, y):
+    """The TFRecord pipeline alone: windows of `steps` batches, as `fit` would draw them."""
+    windows = []
+    ds = iter(_input_dataset(x, y, batch, steps, 1 + args.repeats, files=True))
+    for _ in range(1 + args.repeats):
+        start = _usage()
+        for _ in range(steps):
+            next(ds)
+        end = _usage()
+        busy = None if end[2] is None else end[2] - start[2]
+        windows.append((end[0] - start[0], end[1] - start[1], busy))
+    return windows, {}, 0
+
+
+def _run_hvdtrain(args, model_name, batch, steps, x, y, files=False):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -150,7 +226,7 @@ def _run_hvdtrain(args, model_name, batch, steps, x, y):
     from hvdtrain.models import build_model
 
     size = hvd.size()
-    ds = hvdtrain.train_dataset(x, y, batch, hvd.rank(), size)
+    ds = _input_dataset(x, y, batch, steps, 1 + args.repeats, files)
     model = build_model(model_name)
     schedule = hvdtrain.WarmupSchedule(1e-3, size, warmup_steps=steps)
     opt = hvdtrain.distributed_optimizer(tf.keras.optimizers.Adam(schedule))
@@ -241,7 +317,7 @@ def _init(variants, threads):
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         size = strategy.num_replicas_in_sync
         return strategy.cluster_resolver.task_id or 0, size, "grpc" if size > 1 else None, strategy
-    if "hvdtrain" in variants:
+    if any(v.startswith(("hvdtrain", "input")) for v in variants):
         import hvdtrain
 
         hvdtrain.init(threads=threads)
@@ -254,7 +330,7 @@ def _init(variants, threads):
             tf.config.experimental.set_memory_growth(gpu, True)
         if gpus:
             tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-    if "hvdtrain" in variants or "baseline" in variants:
+    if any(v.startswith(("hvdtrain", "input", "baseline")) for v in variants):
         import horovod.tensorflow as hvd
 
         size = hvd.size()
@@ -290,8 +366,11 @@ def main(argv=None):
                     runs = [("plain", {}), ("same compile options", same)]
                 for label, keras_options in runs:
                     start = time.perf_counter()
-                    if variant == "hvdtrain":
-                        out = _run_hvdtrain(args, model_name, batch, steps, x, y)
+                    if variant in ("hvdtrain", "hvdtrain-tfrecord"):
+                        files = variant == "hvdtrain-tfrecord"
+                        out = _run_hvdtrain(args, model_name, batch, steps, x, y, files)
+                    elif variant == "input-tfrecord":
+                        out = _run_input(args, batch, steps, x, y)
                     elif variant == "baseline":
                         out = _run_baseline(args, model_name, batch, steps, x, y)
                     elif variant == "mwms":

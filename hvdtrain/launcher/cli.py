@@ -47,8 +47,8 @@ import socket
 import subprocess
 import sys
 
-from hvdtrain import compat
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.flags import ArgumentParser
 from hvdtrain.launcher import doctor, elastic, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
@@ -81,9 +81,9 @@ _INSTALL_HINT = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump, no traceback
-        raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
+def _Parser(**kwargs):
+    kwargs.pop("formatter_class", None)
+    return ArgumentParser(training=False, **kwargs)
 
 
 def _build_parser():
@@ -296,7 +296,6 @@ def make_config(args, environ):
         ssh_identity_file=args.ssh_identity_file,
         exports=args.exports,
         mpi_args=args.mpi_args,
-        keras2=compat.legacy_keras_needed(compat.tensorflow_version()),
     )
 
 

@@ -35,6 +35,7 @@ import shlex
 import shutil
 from dataclasses import dataclass, field
 
+from hvdtrain.compat import legacy_keras_needed, tensorflow_version
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.launcher.hosts import format_hosts
 
@@ -113,7 +114,7 @@ class LaunchConfig:
             launcher's own value.
         mpi_args: extra mpirun arguments, already split (backends mpi and mpirun).
         keras2: set `RANK_ENV` on every rank (TensorFlow >= 2.16; on 2.15 it would break
-            tf.keras); the CLI reads the local TensorFlow's version.
+            tf.keras); by default from the local TensorFlow's version (package metadata).
     """
 
     backend: str
@@ -126,7 +127,7 @@ class LaunchConfig:
     ssh_identity_file: str | None = None
     exports: tuple = ()
     mpi_args: tuple = ()
-    keras2: bool = True
+    keras2: bool = field(default_factory=lambda: legacy_keras_needed(tensorflow_version()))
 
 
 def program_for(backend):

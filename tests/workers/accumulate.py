@@ -32,5 +32,5 @@ report = hvdtrain.rank_report(model)
 if hvd.rank() == 0:
     np.savez(
         out, *model.get_weights(), iterations=int(optimizer.iterations),
-        digests=np.array([r["weights_sha256"] for r in report]),
+        digests=np.array([r["weights_digest"] for r in report]),
     )  # fmt: skip

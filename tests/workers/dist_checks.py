@@ -35,7 +35,9 @@ base_lr, warmup = 0.01, 4
 optimizer = hvdtrain.distributed_optimizer(
     tf.keras.optimizers.Adam(hvdtrain.WarmupSchedule(base_lr, size, warmup))
 )
-model.compile(optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.compile(
+    optimizer, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
+)
 res["digest_init"] = hvdtrain.weights_digest(model)
 hvdtrain.broadcast_initial_state(model, optimizer)
 res["digest_broadcast"] = hvdtrain.weights_digest(model)

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
-from hvdtrain import elastic
+from hvdtrain import elastic, optim
 
 out = {}
 hvdtrain.init(threads=1)
@@ -45,7 +45,7 @@ for how in ("schedule_given", "repointed", "hvdtrain"):
     model = one_weight_model(optimizer)
     first = step_size(model)
     if how == "hvdtrain":
-        elastic.rescale_schedule(model, schedule, 1, 0)
+        optim.rescale_schedule(model, schedule, 1, 0)
     else:
         schedule.size = 1
     out[f"lr_steps_{how}"] = [first, step_size(model)]
@@ -95,10 +95,8 @@ model = one_weight_model(hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01))
 model.optimizer.build(model.trainable_variables)
 state = hvd.elastic.KerasState(model, model.optimizer, epoch=0, batch=0)
 out["horovod_run_returns"] = repr(hvd.elastic.run(fails)(state))
-run = elastic._ElasticRun(None, "checks", None, None, "sgd")
-run._train = fails
 try:
-    hvd.elastic.run(run.run)(state)
+    hvd.elastic.run(elastic.guarded(fails))(state)
     out["hvdtrain_run_raises"] = None
 except RuntimeError as e:
     out["hvdtrain_run_raises"] = str(e)

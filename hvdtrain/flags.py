@@ -1,0 +1,274 @@
+"""A run's options: `TrainConfig`, and the one argument parser that gives a script hvdtrain's
+standard flags.
+
+    parser = hvdtrain.ArgumentParser(description=__doc__, epochs=10, batch_size=64)
+    parser.add_argument("--data", default="data/")          # your own flags beside them
+    args = parser.parse_args()                             # checked: a bad value is one line
+    hvdtrain.fit(build_model, data, args)
+
+    horovodrun -np 4 python train.py --epochs 5 --checkpoint-dir ckpt --metrics-json m.json
+
+No TensorFlow here: the launcher and the benchmark use the same parser class (with
+`training=False`), and a bad flag fails before TensorFlow loads.
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+
+from hvdtrain.errors import HvdtrainError, invalid_value
+
+__all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS"]
+
+PROGRESS = ("auto", "bar", "lines", "off")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything `hvdtrain.fit` can be told; each field is also a flag (`--batch-size`).
+
+    Args:
+        epochs: epochs in all (a resumed run trains the rest).
+        batch_size: per-rank batch; the global batch is ranks x this.
+        lr: the single-worker learning rate; None keeps the one of the optimizer given to
+            `compile` in `build_model`. It rises to lr x ranks over `warmup_epochs`.
+        warmup_epochs: epochs of the linear warmup from lr to lr x ranks (0: none).
+        seed: the random seed (shuffling, initial weights; + rank for dropout).
+        limit_samples: train on the first N samples only (in-memory arrays).
+        threads: CPU threads per rank (default: the host's cores / local ranks).
+        mixed_precision: None, "auto", "float16" or "bfloat16" (loss scaling for float16).
+        fp16_allreduce: send gradients as float16 (half the bytes; changes the math slightly).
+        accumulate: average the gradients of N local batches before each allreduce.
+        steps_per_execution: training steps per call into TensorFlow; None: 16, or 1 when
+            something acts on every step (`checkpoint_every`, `deterministic`).
+        checkpoint_dir: checkpoints (rank 0) and resume from the newest valid one.
+        keep_checkpoints: how many complete checkpoints to keep.
+        checkpoint_every: also checkpoint every N steps mid-epoch (0: epoch ends only).
+        deterministic: deterministic ops and per-step random seeds: a killed and resumed run
+            ends with the same weights as an uninterrupted one (bitwise on CPU).
+        metrics_json: rank 0 writes the run's figures here.
+        log_dir: TensorBoard logs (rank 0).
+        progress: "auto" (a bar on a terminal, else a line every `progress_seconds`), "bar",
+            "lines" or "off"; rank 0 only.
+        progress_seconds: seconds between progress lines in a log.
+        eval_batch_size: per-rank batch for evaluation.
+        elastic: train under Horovod Elastic (launch with `hvdtrain-run --elastic`).
+        commit_every: steps between in-memory commits of an elastic run.
+    """
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float | None = None
+    warmup_epochs: float = 1.0
+    seed: int = 0
+    limit_samples: int | None = None
+    threads: int | None = None
+    mixed_precision: str | None = None
+    fp16_allreduce: bool = False
+    accumulate: int = 1
+    steps_per_execution: int | None = None
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 2
+    checkpoint_every: int = 0
+    deterministic: bool = False
+    metrics_json: str | None = None
+    log_dir: str | None = None
+    progress: str = "auto"
+    progress_seconds: float = 30.0
+    eval_batch_size: int = 256
+    elastic: bool = False
+    commit_every: int = 10
+
+    def __post_init__(self):
+        for name in (
+            "epochs",
+            "batch_size",
+            "keep_checkpoints",
+            "accumulate",
+            "commit_every",
+            "eval_batch_size",
+        ):
+            _positive(self, name)
+        for name in ("limit_samples", "threads", "steps_per_execution"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.lr is not None and not (_number(self.lr) and 0 < self.lr < math.inf):
+            raise invalid_value("--lr", self.lr, "a positive learning rate")
+        if not (_number(self.warmup_epochs) and 0 <= self.warmup_epochs < math.inf):
+            raise invalid_value("--warmup-epochs", self.warmup_epochs, "a number >= 0")
+        if not (_integer(self.seed) and 0 <= self.seed < 2**31):  # numpy's seed range
+            raise invalid_value("--seed", self.seed, "an integer from 0 to 2147483647")
+        if self.threads is not None and self.threads > 4096:
+            raise invalid_value("--threads", self.threads, "at most 4096 threads per rank")
+        if not (_integer(self.checkpoint_every) and self.checkpoint_every >= 0):
+            raise invalid_value("--checkpoint-every", self.checkpoint_every, "steps >= 0")
+        if self.mixed_precision not in (None, "auto", "float16", "bfloat16"):
+            raise invalid_value(
+                "--mixed-precision", self.mixed_precision, "auto, float16 or bfloat16"
+            )
+        if self.progress not in PROGRESS:
+            raise invalid_value("--progress", self.progress, ", ".join(PROGRESS))
+        if not (_number(self.progress_seconds) and 0 < self.progress_seconds < math.inf):
+            raise invalid_value("--progress-seconds", self.progress_seconds, "seconds > 0")
+        if self.elastic and self.accumulate > 1:
+            raise invalid_value("--accumulate", self.accumulate, "1 with --elastic")
+        for name in ("metrics_json", "log_dir", "checkpoint_dir"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not path.strip()):
+                raise invalid_value(_flag(name), path, "a path")
+        if self.metrics_json and os.path.isdir(self.metrics_json):
+            raise invalid_value("--metrics-json", self.metrics_json, "a file path, not a folder")
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive(config, name):
+    value = getattr(config, name)
+    if not (_integer(value) and value >= 1):
+        raise invalid_value(_flag(name), value, "a positive integer")
+
+
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def make_config(config=None, **options):
+    """A checked `TrainConfig` from a `TrainConfig`, an argparse namespace (its other
+    attributes, a script's own flags, are ignored), a dict or None, with `options` on top."""
+    if isinstance(config, TrainConfig):
+        values = dataclasses.asdict(config)
+    elif config is None:
+        values = {}
+    elif isinstance(config, dict):
+        values = dict(config)
+    else:
+        values = {k: v for k, v in vars(config).items() if k in _FIELDS}
+    values.update(options)
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise invalid_value("option", unknown[0], f"one of {', '.join(sorted(_FIELDS))}")
+    return TrainConfig(**values)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with hvdtrain's errors (one line, `HvdtrainError`: exit 2, no usage dump) and,
+    unless `training=False`, hvdtrain's standard training flags with the defaults given.
+
+    Args:
+        prog, description, epilog, allow_abbrev: as argparse's; texts are shown as written.
+        training: add the flags of `TrainConfig` (`--epochs`, `--checkpoint-dir`, ...).
+        **defaults: defaults for those flags, by field name (`epochs=15, lr=1e-3`).
+    """
+
+    def __init__(
+        self,
+        prog=None,
+        description=None,
+        *,
+        training=True,
+        epilog=None,
+        allow_abbrev=True,
+        **defaults,
+    ):
+        super().__init__(
+            prog=prog,
+            description=description,
+            epilog=epilog,
+            allow_abbrev=allow_abbrev,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        self._training = training
+        if training:
+            _add_training_flags(self, make_config(**defaults))
+        elif defaults:
+            raise invalid_value("defaults", sorted(defaults), "none with training=False")
+
+    def error(self, message):  # one line, no usage dump, no traceback
+        raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
+
+    def parse_args(self, args=None, namespace=None):
+        """Parses and checks the flags (no TensorFlow needed)."""
+        parsed = super().parse_args(args, namespace)
+        if self._training:
+            make_config(parsed)  # raises on a bad value
+        return parsed
+
+
+def _add_training_flags(p, d):
+    def flag(group, name, help, **kw):
+        default = getattr(d, name)
+        shown = (
+            ""
+            if default in (None, False)
+            else f" ({default:g})"
+            if _number(default)
+            else (f" ({default})")
+        )
+        if isinstance(default, bool):
+            kw.setdefault("action", "store_true")
+        else:
+            kw.setdefault("type", type(default) if default is not None else int)
+        group.add_argument(_flag(name), default=default, help=help + shown, **kw)
+
+    t = p.add_argument_group("training")
+    flag(t, "epochs", "epochs in all")
+    flag(t, "batch_size", "per-rank batch")
+    flag(
+        t,
+        "lr",
+        "single-worker learning rate, x ranks after the warmup (default: the optimizer's own)",
+        type=float,
+    )
+    flag(t, "warmup_epochs", "epochs to ramp the LR from --lr to --lr x ranks")
+    flag(t, "seed", "random seed")
+    flag(t, "limit_samples", "train on the first N samples only (arrays)")
+    flag(t, "threads", "CPU threads per rank (default: cores / local ranks)")
+    t.add_argument(
+        "--mixed-precision",
+        nargs="?",
+        const="auto",
+        default=d.mixed_precision,
+        choices=["auto", "float16", "bfloat16"],
+        help="mixed precision: float16 on GPUs, bfloat16 on CPUs (auto); loss scaling for float16",
+    )
+    flag(t, "fp16_allreduce", "compress gradients to float16 for the allreduce")
+    flag(t, "accumulate", "average gradients of N local batches before each allreduce")
+    flag(
+        t,
+        "steps_per_execution",
+        "steps per call into TensorFlow (default: 16, or 1 with "
+        "--checkpoint-every/--deterministic)",
+    )
+    flag(
+        t,
+        "deterministic",
+        "deterministic ops and per-step seeds: a killed and resumed run "
+        "ends bitwise like an uninterrupted one (CPU)",
+    )
+    flag(t, "eval_batch_size", "per-rank batch for evaluation")
+    f = p.add_argument_group("files (rank 0 writes them)")
+    flag(f, "checkpoint_dir", "save here and resume from the newest valid checkpoint", type=str)
+    flag(f, "keep_checkpoints", "checkpoints kept")
+    flag(f, "checkpoint_every", "also checkpoint every N steps mid-epoch (0: off)")
+    flag(f, "metrics_json", "the run's figures as JSON", type=str)
+    flag(f, "log_dir", "TensorBoard logs", type=str)
+    f.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default=d.progress,
+        help=f"progress within an epoch: a bar on a terminal, lines in a log ({d.progress})",
+    )
+    flag(f, "progress_seconds", "seconds between progress lines in a log")
+    e = p.add_argument_group("elastic (launch with hvdtrain-run --elastic)")
+    flag(e, "elastic", "train under Horovod Elastic: survive failed workers, take in new ones")
+    flag(e, "commit_every", "steps between in-memory commits; a failure redoes at most this many")

@@ -1,0 +1,85 @@
+"""The public building blocks in one process (no launcher): checkpoint labels with several
+steps per execution, the export's formats and rank, evaluation that follows the model's
+compiled loss and metrics."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvdtrain
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    hvdtrain.init(threads=1)
+
+
+def _regression(spe=1):
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(0.01), "mse", ["mae"], steps_per_execution=spe)
+    return model
+
+
+def test_mid_epoch_checkpoints_are_labelled_with_the_real_step_whatever_the_execution(tmp_path):
+    """4 steps per execution, a checkpoint every 3 steps, 10 steps per epoch: Keras calls the
+    callback after steps 4, 8 and 10; the checkpoints are at the steps that passed a multiple
+    of 3 (4 and 8; 10 ends the epoch), named by those steps."""
+    model = _regression(spe=4)
+    manager = hvdtrain.CheckpointManager(tmp_path, model, model.optimizer, keep=10)
+    callback = hvdtrain.CheckpointCallback(manager, {"steps_per_epoch": 10}, 10, every_steps=3)
+    x = np.ones((40, 3), np.float32)
+    model.fit(
+        x, x[:, :1], batch_size=4, epochs=2, steps_per_epoch=10, callbacks=[callback], verbose=0
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-0000-step-000004", "epoch-0000-step-000008", "epoch-0001",
+        "epoch-0001-step-000004", "epoch-0001-step-000008", "epoch-0002",
+    ]  # fmt: skip
+    found = manager.latest()
+    assert (found.epoch, found.step, found.global_step) == (2, 0, 20)
+
+
+@pytest.mark.parametrize("name", ["model.keras", "model.h5", "saved_model"])
+def test_export_follows_the_suffix_makes_the_folder_and_loads_in_plain_keras(tmp_path, name):
+    model = _regression()
+    path = tmp_path / "missing" / "folder" / name
+    assert hvdtrain.export_model(model, _regression, str(path)) == str(path)
+    loaded = tf.keras.models.load_model(str(path), compile=False)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
+    assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary left behind
+
+
+def test_export_writes_on_rank_0_only(tmp_path, monkeypatch):
+    import horovod.tensorflow as hvd
+
+    if hvd.is_initialized():  # this process is rank 0 of 1: ask as rank 1 of the launcher
+        monkeypatch.setattr(hvd, "rank", lambda: 1)
+    assert hvdtrain.export_model(_regression(), _regression, str(tmp_path / "m.keras")) is None
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "loss, metrics, labels",
+    [
+        ("categorical_crossentropy", ["categorical_accuracy"], "one-hot"),  # probabilities
+        ("binary_crossentropy", [tf.keras.metrics.AUC(name="auc")], "binary"),
+        ("mse", ["mae"], "regression"),
+    ],
+)
+def test_evaluate_follows_the_compiled_loss_and_metrics(loss, metrics, labels):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(203, 5)).astype(np.float32)
+    units, activation = {"one-hot": (4, "softmax"), "binary": (1, "sigmoid")}.get(labels, (1, None))
+    y = {
+        "one-hot": np.eye(4, dtype=np.float32)[rng.integers(0, 4, 203)],
+        "binary": rng.integers(0, 2, (203, 1)).astype(np.float32),
+        "regression": rng.normal(size=(203, 1)).astype(np.float32),
+    }[labels]
+    model = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.Dense(units, activation)])
+    model.compile("sgd", loss, metrics)
+    expected = model.evaluate(x, y, batch_size=203, verbose=0, return_dict=True)
+    got = hvdtrain.evaluate(model, hvdtrain.eval_dataset(x, y, 32, 0, 1))
+    assert got["samples"] == 203 and set(got) == set(expected) | {"samples"}
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-5), k

@@ -1,0 +1,160 @@
+"""`hvdtrain.fit` with a user's own model and data, on the public API alone: the script is
+tests/workers/recipe.py (BatchNorm, dropout, a sigmoid output; arrays, TFRecord files, a
+tf.data pipeline), run as `horovodrun -np 2` under Gloo and MPI.
+
+- kill rank 1 mid-epoch, run the same command again: bitwise the weights of an
+  uninterrupted run, for arrays and for TFRecord files;
+- every record read exactly once per epoch across the ranks, equal steps, with files of
+  uneven sizes: shared files and per-host files; a resume mid-epoch reads the same records;
+- a user script's mistakes: one line, exit 2, no traceback.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+
+import pytest
+from conftest import run_job, worker
+
+RECIPE = worker("recipe.py")
+_spec = importlib.util.spec_from_file_location("recipe", RECIPE)
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The worker's 600 training and 101 test samples as TFRecord files of uneven sizes."""
+    folder = tmp_path_factory.mktemp("tfrecord")
+    recipe.write_tfrecords(str(folder), "train", [50, 130, 200, 220], seed=0)
+    recipe.write_tfrecords(str(folder), "test", [40, 61], seed=1)
+    return folder
+
+
+def train(backend, form, files, out, *extra, check=True):
+    args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
+            "--checkpoint-every", "2", "--epochs", "3", "--checkpoint-dir", str(out / "ckpt"),
+            "--metrics-json", str(out / "m.json"), *extra]  # fmt: skip
+    proc = run_job(2, backend, args, check=check)
+    metrics = json.loads((out / "m.json").read_text()) if check else None
+    return proc, metrics
+
+
+@pytest.mark.parametrize("form", ["arrays", "tfrecord"])
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(backend, form, files, tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    _, ref = train(backend, form, files, ref_dir)
+    # 600 samples, 2 ranks, batch 16: 18 steps per epoch; checkpoints every 2 steps.
+    assert ref["steps_per_epoch"] == 18 and ref["size"] == 2
+    # BatchNorm statistics averaged, the weights identical on both ranks, checked.
+    assert len({r["weights_digest"] for r in ref["ranks"]}) == 1
+    assert ref["test_samples"] == 101 and 0.5 < ref["test"]["auc"] <= 1.0
+
+    killed, _ = train(backend, form, files, run_dir, "--kill-at", "25", check=False)
+    output = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and "rank 1: killing itself after step 25" in output
+    assert "saved checkpoint" in output and "(epoch 2, step 6)" in output  # global step 24
+    _, resumed = train(backend, form, files, run_dir)
+    assert resumed["resumed_from"] == {"epoch": 1, "step": 6, "optimizer_iterations": 24}
+    assert resumed["ranks"][0]["weights_digest"] == ref["ranks"][0]["weights_digest"]
+    assert resumed["test"] == ref["test"]
+
+
+def _records(folder, name, sizes, start=0):
+    """Files of records {"id": int64}, ids counted from `start`; returns the next id."""
+    import tensorflow as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, n in enumerate(sizes):
+        with tf.io.TFRecordWriter(str(folder / f"{name}-{i}.tfrecord")) as w:
+            for j in range(start, start + n):
+                feature = {"id": tf.train.Feature(int64_list=tf.train.Int64List(value=[j]))}
+                w.write(
+                    tf.train.Example(
+                        features=tf.train.Features(feature=feature)
+                    ).SerializeToString()
+                )
+        start += n
+    return start
+
+
+def cover(backend, hosts, folder, out, *extra):
+    out.mkdir()
+    run_job(2, backend, [worker("records_cover.py"), str(folder), str(out), *extra], hosts=hosts)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_epochs(ranks, total):
+    steps = {r["steps"] for r in ranks}
+    assert len(steps) == 1, steps  # the same steps on every rank
+    for epoch in range(3):
+        seen = [i for r in ranks for i in r["epochs"][epoch]]
+        assert sorted(seen) == list(range(total)), (epoch, sorted(seen))  # each exactly once
+    orders = [[i for r in ranks for i in r["epochs"][e]] for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch
+    for r in ranks:  # a resume at step 3 of epoch 2 continues with the same records
+        steps = r["steps"]
+        assert r["resumed"] == r["epochs"][1][3 * 4 :] + r["epochs"][2]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(backend, tmp_path):
+    folder = tmp_path / "data"
+    total = _records(folder, "train", [7, 13, 20, 31, 9])  # 80 records: 10 steps of 4 per rank
+    _records(folder, "test", [5, 12], start=1000)
+    ranks = cover(backend, "localhost:2", folder, tmp_path / "out")
+    assert [r["steps"] for r in ranks] == [10, 10] and ranks[0]["total"] == total
+    _check_epochs(ranks, total)
+    test = sorted(i for r in ranks for i in r["test"])
+    assert test == list(range(1000, 1017))  # each test record once over the ranks
+
+
+@pytest.mark.parametrize(
+    "backend, hosts", [("gloo", "localhost:1,127.0.0.1:1"), ("mpi", "localhost:2")]
+)
+def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, tmp_path):
+    """Gloo: two hosts (two names of this machine), each with its own files of uneven sizes,
+    one rank each. MPI: one host, its files split between its two local ranks."""
+    folder = tmp_path / "data"
+    if backend == "gloo":
+        end = _records(folder / "localhost", "train", [7, 13])
+        total = _records(folder / "127.0.0.1", "train", [9, 11], start=end)
+    else:
+        total = _records(folder / "shared", "train", [7, 13, 9, 11])
+        for name in {"localhost", "127.0.0.1", socket.gethostname()}:
+            os.symlink(folder / "shared", folder / name)
+    ranks = cover(backend, hosts, folder, tmp_path / "out", "--per-host")
+    assert [r["steps"] for r in ranks] == [5, 5] and ranks[0]["total"] == total == 40
+    _check_epochs(ranks, total)
+    if backend == "gloo":  # each rank read its own host's records only
+        assert set(ranks[0]["epochs"][0]) == set(range(20))
+        assert set(ranks[1]["epochs"][0]) == set(range(20, 40))
+
+
+def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, tmp_path):
+    _, m = train("gloo", "dataset", files, tmp_path)
+    assert m["data_source"] == "tf.data" and m["steps_per_epoch"] == 18
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--epochs", "0"], "Invalid value for `--epochs`: received 0; expected a positive "
+         "integer."),
+        (["--data", "tfrecord", "--files", "/no/such/dir"],
+         "Invalid value for `train files`: received '/no/such/dir/train-*.tfrecord'; expected a "
+         "pattern that matches files."),
+        (["--bogus"], "unrecognized arguments: --bogus. See `recipe.py --help`."),
+    ],
+)  # fmt: skip
+def test_a_user_scripts_mistakes_are_one_line_and_exit_2(flags, message):
+    proc = run_job(2, "mpi", [RECIPE, *flags], check=False)
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].endswith(f"recipe.py: error: {message}"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    alone = run_job(1, "none", [RECIPE, *flags], check=False)
+    assert alone.returncode == 2 and alone.stderr.strip() == f"recipe.py: error: {message}"

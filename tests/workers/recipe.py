@@ -1,0 +1,144 @@
+"""A user's training script on hvdtrain's public API alone, as tests/test_recipe.py runs it:
+its own model (BatchNorm, dropout, a sigmoid output with binary cross-entropy and AUC) and its
+own data, in one of hvdtrain's forms.
+
+    horovodrun -np 2 -H localhost:2 python tests/workers/recipe.py --data tfrecord --files DIR \
+        --checkpoint-dir ck --metrics-json m.json [--kill-at 7]
+
+--data arrays: numpy arrays; tfrecord: DIR/train-*.tfrecord and DIR/test-*.tfrecord (written
+by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord on each host; dataset: a tf.data
+pipeline made per rank and epoch. --kill-at N: rank 1 SIGKILLs itself after global step N;
+--stall-at N: it hangs there (its watchdog ends it).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import hvdtrain
+
+FEATURES = 8
+
+
+def build_model():
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((FEATURES,)),
+            tf.keras.layers.Dense(32, activation="relu"),
+            tf.keras.layers.BatchNormalization(),
+            tf.keras.layers.Dropout(0.2),
+            tf.keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    model.compile(
+        tf.keras.optimizers.Adam(0.01),
+        "binary_crossentropy",
+        ["accuracy", tf.keras.metrics.AUC(name="auc")],
+    )
+    return model
+
+
+def arrays(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.float32)
+    return x, y
+
+
+def write_tfrecords(folder, prefix, sizes, seed):
+    """Files of `sizes` records each; returns all (x, y) written, in order."""
+    os.makedirs(folder, exist_ok=True)
+    x, y = arrays(sum(sizes), seed)
+    start = 0
+    for i, n in enumerate(sizes):
+        with tf.io.TFRecordWriter(os.path.join(folder, f"{prefix}-{i:02d}.tfrecord")) as w:
+            for j in range(start, start + n):
+                feature = {
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[j])),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=[y[j]])),
+                }
+                w.write(
+                    tf.train.Example(
+                        features=tf.train.Features(feature=feature)
+                    ).SerializeToString()
+                )
+        start += n
+    return x, y
+
+
+def parse(record):
+    spec = {
+        "x": tf.io.FixedLenFeature([FEATURES], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.float32),
+    }
+    f = tf.io.parse_single_example(record, spec)
+    return f["x"], f["y"]
+
+
+class Fault(tf.keras.callbacks.Callback):
+    """Rank 1 SIGKILLs itself (`kill`) or stops making progress (`stall`: sleeps for ever)
+    once the global step (the optimizer's) reaches `step`."""
+
+    def __init__(self, what, step):
+        super().__init__()
+        self.what, self.step = what, step
+
+    def on_train_batch_end(self, batch, logs=None):
+        import horovod.tensorflow as hvd
+
+        if hvd.rank() == 1 and int(self.model.optimizer.iterations) >= self.step:
+            if self.what == "kill":
+                print(f"rank 1: killing itself after step {self.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            print(f"rank 1: stalling after step {self.step}", flush=True)
+            while True:
+                time.sleep(3600)
+
+
+def make_data(args):
+    if args.data == "arrays":
+        return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1))
+    if args.data == "tfrecord":
+        return hvdtrain.FileData(
+            os.path.join(args.files, "train-*.tfrecord"),
+            parse,
+            test=os.path.join(args.files, "test-*.tfrecord"),
+            shuffle_buffer=64,
+        )
+    if args.data == "per-host":
+
+        def mine(placement):  # what this host holds: a folder per host name
+            folder = os.path.join(args.files, placement.host)
+            return [os.path.join(folder, f) for f in os.listdir(folder)]
+
+        return hvdtrain.FileData(mine, parse, per_host=True, shuffle_buffer=64)
+    x, y = arrays(600, 0)
+
+    def make_dataset(rank, size, seed, epoch):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank)
+        return ds.shuffle(1000, seed=seed * 1000 + epoch, reshuffle_each_iteration=False)
+
+    return hvdtrain.DatasetData(make_dataset, num_samples=len(x))
+
+
+def main():
+    parser = hvdtrain.ArgumentParser(description=__doc__, epochs=3, batch_size=16)
+    parser.add_argument(
+        "--data", choices=["arrays", "tfrecord", "per-host", "dataset"], default="arrays"
+    )
+    parser.add_argument("--files", help="the TFRecord folder")
+    parser.add_argument("--kill-at", type=int, default=0, help="rank 1 dies after this step")
+    parser.add_argument("--stall-at", type=int, default=0, help="rank 1 hangs after this step")
+    args = parser.parse_args()
+    callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
+    callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
+    result = hvdtrain.fit(build_model, make_data(args), args, callbacks=callbacks)
+    print(f"rank done: test {result['test']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
