@@ -53,7 +53,7 @@ _EXPORTS = {
     "steps_per_epoch": "data",
     "train_dataset": "data",
     "eval_dataset": "data",
-    "load_mnist": "datasets",
+    "load_mnist": "mnist_data",
     # set-up
     "HvdtrainError": "errors",
     "init": "runtime",

@@ -20,7 +20,7 @@ import tarfile
 
 import numpy as np
 
-from hvdtrain import datasets, trainer
+from hvdtrain import sources, trainer
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.flags import ArgumentParser
 
@@ -125,7 +125,7 @@ def load_cifar10(source, data_dir=None, synthetic_size=(2048, 512)):
 
 
 def keras_cache_path():
-    return os.path.join(os.path.dirname(datasets.keras_cache_path()), "cifar-10-batches-py")
+    return os.path.join(sources.keras_datasets_dir(), "cifar-10-batches-py")
 
 
 def build_model(name="resnet-small"):
@@ -176,7 +176,7 @@ def _load(args):
     def load():
         from hvdtrain.data import ArrayData
 
-        source = datasets.choose_source(
+        source = sources.choose_source(
             args.data_dir, keras_cache_path(), _download, "synthetic", PROG
         )
         (x, y), test = load_cifar10(source, args.data_dir)

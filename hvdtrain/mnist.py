@@ -23,7 +23,7 @@ complete checkpoint.
 
 import os
 
-from hvdtrain import datasets, trainer
+from hvdtrain import mnist_data, sources, trainer
 from hvdtrain.errors import invalid_value
 from hvdtrain.flags import ArgumentParser
 
@@ -78,10 +78,10 @@ def train(args):
     from hvdtrain.data import ArrayData
 
     def load():  # on every rank after hvdtrain.init(): the ranks agree on the source
-        source = datasets.choose_source(
-            args.data_dir, datasets.keras_cache_path(), _download, "embedded", PROG
+        source = sources.choose_source(
+            args.data_dir, mnist_data.keras_cache_path(), _download, "embedded", PROG
         )
-        (x, y), test = datasets.load_mnist(source, args.data_dir)
+        (x, y), test = mnist_data.load_mnist(source, args.data_dir)
         return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
     return trainer.fit(lambda: build_model(args.model, args.lr), load, args, prog=PROG)

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hvdtrain.datasets import load_mnist, read_idx
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.mnist import parse_args
+from hvdtrain.mnist_data import load_mnist, read_idx
 
 pytestmark = pytest.mark.timeout(120)
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]

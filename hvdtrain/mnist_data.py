@@ -1,24 +1,24 @@
-"""MNIST from wherever it is: a folder, Keras' cache, a download, or the embedded digits.
+"""MNIST's files: a folder (mnist.npz or the four IDX files), Keras' cache, or the 5,000
+embedded digits.
 
-`load_mnist` reads one source; `hvdtrain.mnist` decides which one all ranks use (see
-`choose_mnist_source` there). All arrays come back as `x: float32 [n, 28, 28, 1] in [0, 1]`
-and `y: int32 [n]`.
+`load_mnist` reads one source; `hvdtrain.mnist` decides which one all ranks use
+(`hvdtrain.sources.choose_source`). All arrays come back as `x: float32 [n, 28, 28, 1] in
+[0, 1]` and `y: int32 [n]`.
 """
 
 import gzip
 import importlib.resources
 import math
 import os
-import socket
-import sys
 import zipfile
 import zlib
 
 import numpy as np
 
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.sources import keras_datasets_dir
 
-__all__ = ["load_mnist", "choose_source", "keras_cache_path", "read_idx", "EMBEDDED_TEST_SIZE"]
+__all__ = ["load_mnist", "keras_cache_path", "read_idx", "EMBEDDED_TEST_SIZE"]
 
 # Held out of the 5,000 embedded digits for the final test metric (50 of each class).
 EMBEDDED_TEST_SIZE = 500
@@ -32,46 +32,7 @@ _IDX_FILES = {
 
 def keras_cache_path():
     """Where `keras.datasets.mnist.load_data()` keeps its download."""
-    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
-    return os.path.join(home, "datasets", "mnist.npz")
-
-
-def choose_source(data_dir, cache_path, download, fallback, prog):
-    """Which data every rank uses: "data-dir", "keras-cache" or `fallback`.
-
-    Call it on every rank after `hvd.init()`: the ranks agree through collectives, so
-    none trains on other data than the others. In order: `data_dir` if given; Keras'
-    cache (`cache_path`) if every rank sees it; `download()` run by local rank 0 of each
-    host while the other ranks wait (10 s socket timeout; skipped when HVDTRAIN_OFFLINE=1);
-    else `fallback`.
-    """
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    def everywhere(flag):  # True only if `flag` holds on every rank (also a barrier)
-        total = hvd.allreduce(tf.constant(int(flag)), op=hvd.Min, name="hvdtrain.source")
-        return bool(total.numpy())
-
-    if data_dir:
-        return "data-dir"
-    has_cache = os.path.exists(cache_path)
-    if everywhere(has_cache):
-        return "keras-cache"
-    if os.environ.get("HVDTRAIN_OFFLINE") == "1":
-        return fallback
-    ok = True
-    if hvd.local_rank() == 0 and not has_cache:  # one download per host; the others wait
-        previous = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(10)
-        try:
-            download()
-        except Exception as e:  # offline, refused, damaged: fall back below
-            reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-            print(f"{prog}: download failed ({reason}); using {fallback}", file=sys.stderr)
-            ok = False
-        finally:
-            socket.setdefaulttimeout(previous)
-    return "keras-cache" if everywhere(ok) else fallback
+    return os.path.join(keras_datasets_dir(), "mnist.npz")
 
 
 def read_idx(path):
