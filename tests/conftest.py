@@ -11,10 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 # Generous bounds: a hang fails the test instead of blocking CI.
 JOB_TIMEOUT = 240
+# Tests that call hvdtrain.init() in this process leave HOROVOD_* settings in os.environ
+# (the stall times, the cycle time); jobs must start from the user's environment instead.
+_STARTING_ENV = dict(os.environ)
 
 
 def job_env(**extra):
-    env = dict(os.environ)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_") or k in _STARTING_ENV
+    }
     env.update(
         HVDTRAIN_OFFLINE="1",  # never try to download MNIST in tests
         TF_CPP_MIN_LOG_LEVEL="2",
