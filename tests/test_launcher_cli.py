@@ -186,14 +186,16 @@ def test_exports_reach_the_ranks_but_are_not_echoed():
 
 BAD_HOSTFILES = [
     ("node1 slots=4\nnode2 slot=4\n", 2, "cannot read 'node2 slot=4'"),
-    ("node1 slots=0\n", 1, "slots '0' is not a positive integer"),
-    ("node1 slots=-3\n", 1, "slots '-3' is not a positive integer"),
-    ("node1 slots=x\n", 1, "slots 'x' is not a positive integer"),
-    ("node1:0\n", 1, "slots '0' is not a positive integer"),
-    ("# a\n\nnode1:two\n", 3, "slots 'two' is not a positive integer"),
+    ("node1 slots=0\n", 1, "slots '0' is not an integer from 1 to 1024"),
+    ("node1 slots=-3\n", 1, "slots '-3' is not an integer from 1 to 1024"),
+    ("node1 slots=x\n", 1, "slots 'x' is not an integer from 1 to 1024"),
+    ("node1:0\n", 1, "slots '0' is not an integer from 1 to 1024"),
+    ("# a\n\nnode1:two\n", 3, "slots 'two' is not an integer from 1 to 1024"),
     ("node1 slots=2 max_slots=-1\n", 1, "max_slots '-1'"),
     ("node1 slots=2\nnode2:2\nnode1\n", 3, "host 'node1' is listed twice (first on line 1)"),
     ("node1 some junk\n", 1, "cannot read"),
+    ("node1 slots=100000000000000000000000\n", 1, "is not an integer from 1 to 1024"),
+    ("node1:1025\n", 1, "slots '1025' is not an integer from 1 to 1024"),
 ]
 
 
@@ -225,6 +227,9 @@ def test_missing_hostfile(tmp_path):
         (["-np", "two", "true"], "`-np`: received 'two'"),
         (["-np", "3", "-H", "a:2", "true"], "`-np`: received 3; expected at most 2, the total"),
         (["-H", "a:0", "true"], "Invalid value for `-H`: received 'a:0'"),
+        (["-np", "1" + "0" * 23, "true"], "expected at most 65536 (hvdtrain's bound"),
+        (["-H", "a:" + "9" * 23, "true"], "slots an integer from 1 to 1024"),
+        (["--elastic", "--max-np", "70000", "true"], "`--max-np`: received '70000'"),
         (["-H", "a:1", "--hostfile", "h", "true"], "not allowed with argument"),
         (["--bogus", "true"], "unrecognized arguments: --bogus"),
         (["--backend", "pbs", "true"], "invalid choice: 'pbs'"),

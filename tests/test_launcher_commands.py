@@ -14,6 +14,7 @@ from hvdtrain.launcher.commands import (
     is_secret,
     path_with,
     redact_argv,
+    redact_text,
 )
 from hvdtrain.launcher.hosts import Host
 
@@ -183,6 +184,30 @@ def test_secrets_are_masked():
     for secret in ("abc123", "hunter2", "tok456", "s3cr3t"):
         assert secret not in line
     assert line.startswith("HOROVOD_SECRET_KEY='***' A='b c' mpirun -x 'WANDB_API_KEY=***' -x HOME")
+
+
+@pytest.mark.parametrize(
+    "secret, shown",
+    [
+        ("https://user:pa55word@mlflow.example:5000/x", "https://user:***@mlflow.example:5000/x"),
+        ("s3://AKIAIOSFODNN7EXAMPLE:x@bucket/k", "s3://***:***@bucket/k"),
+        ("ghp_" + "a1" * 18, "***"),
+        ("github_pat_" + "B2" * 15, "***"),
+        ("glpat-" + "c3" * 10, "***"),
+        ("xoxb-123456789012-abcdef", "***"),
+        ("hf_" + "d4" * 17, "***"),
+        ("sk-" + "e5" * 12, "***"),
+        ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N", "***"),
+    ],
+)
+def test_urls_and_token_shapes_are_masked_whatever_their_name(secret, shown):
+    """Credentials in URLs and well-known token shapes are masked under any variable name,
+    in the command, the exported variables and --mpi-args text."""
+    argv = ["horovodrun", "-x", f"GH_PAT={secret}", "python", "t.py", f"--url={secret}"]
+    line = format_command(argv, {"TRACKING": secret}, {})
+    assert line.count(shown) == 3 and secret not in line, line
+    assert secret not in redact_text(f"-x TRACKING_URI={secret} --bind-to none")
+    assert redact_text("-x A=https://example.org/x") == "-x A=https://example.org/x"
 
 
 def test_format_command_shortens_path_and_quotes():

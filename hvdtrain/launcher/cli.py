@@ -62,6 +62,7 @@ from hvdtrain.launcher.commands import (
     redact_text,
 )
 from hvdtrain.launcher.hosts import (
+    MAX_PROCESSES,
     format_hosts,
     is_local,
     local_hosts,
@@ -151,8 +152,9 @@ def _build_parser():
     return p
 
 
-def _positive(args, name, flag, minimum=1, kind=int):
-    """Converts option `name` to `kind` and checks it is >= minimum; None when not given."""
+def _positive(args, name, flag, minimum=1, kind=int, most=float("inf")):
+    """Converts option `name` to `kind` and checks minimum <= it <= most; None when not
+    given."""
     text = getattr(args, name)
     if text is None:
         return None
@@ -163,6 +165,8 @@ def _positive(args, name, flag, minimum=1, kind=int):
     if value is None or not minimum <= value < float("inf"):  # not nan, not inf
         what = "an integer" if kind is int else "a number"
         raise invalid_value(flag, text, f"{what} >= {minimum}, e.g. {flag} {max(minimum, 1)}")
+    if value > most:
+        raise invalid_value(flag, text, f"at most {most} (hvdtrain's bound; a typo?)")
     return value
 
 
@@ -171,7 +175,7 @@ def parse_args(argv=None):
     args = _build_parser().parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
-    args.np = _positive(args, "np", "-np")
+    args.np = _positive(args, "np", "-np", most=MAX_PROCESSES)
     args.ssh_port = _positive(args, "ssh_port", "--ssh-port")
     if args.ssh_port is not None and args.ssh_port > 65535:
         raise invalid_value("--ssh-port", args.ssh_port, "a port number from 1 to 65535")
@@ -254,6 +258,10 @@ def make_config(args, environ):
     if np > slots:
         raise invalid_value(
             "-np", np, f"at most {slots}, the total slots of {source} ({format_hosts(hosts)})"
+        )
+    if np > MAX_PROCESSES:
+        raise invalid_value(
+            "-np", np, f"at most {MAX_PROCESSES} (hvdtrain's bound; {source} has {slots} slots)"
         )
     backend = args.backend or default_backend(
         hosts,

@@ -25,8 +25,9 @@ for tf.keras; plain mpirun gets it as `-x`, since across hosts it forwards nothi
 The directory of the launching Python (the virtualenv's bin) is put first on PATH, so
 `python` in the command is the launcher's Python on every rank, as after `source activate`.
 
-`format_command` prints a command as one shell line with secrets (variables or options
-named like *SECRET*, *TOKEN*, *KEY*, *PASSWORD*) replaced by `***`.
+`format_command` prints a command as one shell line with secrets replaced by `***`: values
+of variables or options named like *SECRET*, *TOKEN*, *KEY*, *PASSWORD*, and under any name
+the password of a URL and tokens of well-known shapes (`mask_secrets`).
 """
 
 import os
@@ -58,6 +59,7 @@ __all__ = [
     "is_secret",
     "redact_argv",
     "redact_text",
+    "mask_secrets",
     "format_command",
 ]
 
@@ -72,6 +74,16 @@ _SECRET = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECA
 _NAME = re.compile(r"-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*")
 _MASK = "***"
 _SECRET_WORD = re.compile(rf"(\S*(?:{_SECRET.pattern})\S*?)(=|\s+)(\S+)", re.IGNORECASE)
+# Secrets whatever the variable's name: the password of a URL (`https://user:pw@host`), and
+# tokens of well-known shapes (GitHub, GitLab, Slack, AWS access keys, Hugging Face, OpenAI-
+# style `sk-`, Google API keys, JWTs).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)[^/\s@]+@")
+_TOKEN = re.compile(
+    r"\b(?:gh[oprsu]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}"
+    r"|xox[abposr]-[A-Za-z0-9\-]{10,}|A[KS]IA[0-9A-Z]{16}|hf_[A-Za-z0-9]{30,}"
+    r"|sk-[A-Za-z0-9_\-]{20,}|AIza[0-9A-Za-z_\-]{35}"
+    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
+)
 
 
 @dataclass(frozen=True)
@@ -293,11 +305,18 @@ def is_secret(name):
     return bool(_SECRET.search(name))
 
 
+def mask_secrets(text):
+    """`text` with URL passwords and well-known token shapes masked, whatever names them:
+    `https://u:pw@host` -> `https://u:***@host`, `ghp_...` -> `***`. Pure."""
+    return _TOKEN.sub(_MASK, _URL_PASSWORD.sub(rf"\g<1>{_MASK}@", text))
+
+
 def redact_argv(argv):
     """`argv` with secret values replaced: `NAME=value` and `--opt=value` when the name
-    looks secret, and the word after a secret-looking option (`--password hunter2`)."""
+    looks secret, the word after a secret-looking option (`--password hunter2`), and URL
+    passwords and token shapes anywhere (`mask_secrets`)."""
     out, hide_next = [], False
-    for arg in argv:
+    for arg in map(mask_secrets, argv):
         if hide_next:
             out.append(_MASK)
             hide_next = False
@@ -318,6 +337,7 @@ def redact_argv(argv):
 def redact_text(text):
     """`text` (shell words, perhaps unbalanced) with the word after or in each secret-looking
     name masked: `--password x --token=y` -> `--password *** --token=***`."""
+    text = mask_secrets(text)
     try:
         words = shlex.split(text)
         masked = redact_argv(words)
@@ -341,5 +361,5 @@ def format_command(argv, env=None, environ=None):
             head = value[: -len(old)]
             words.append(f'{name}={shlex.quote(head)}"${name}"')
         else:
-            words.append(f"{name}={shlex.quote(value)}")
+            words.append(f"{name}={shlex.quote(mask_secrets(value))}")
     return " ".join(words + [shlex.quote(arg) for arg in redact_argv(argv)])

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.launcher.commands import horovodrun_command
 from hvdtrain.launcher.hosts import (
+    MAX_PROCESSES,
     format_hosts,
     is_local,
     local_hosts,
@@ -117,12 +118,14 @@ def add_options(parser):
     )
 
 
-def _count(value, flag, minimum=1):
+def _count(value, flag, minimum=1, most=MAX_PROCESSES):
     if value is None:
         return None
     text = str(value)
     if not (text.isascii() and text.isdigit()) or int(text) < minimum:
         raise invalid_value(flag, value, f"an integer >= {minimum}, e.g. {flag} {minimum + 1}")
+    if int(text) > most:
+        raise invalid_value(flag, value, f"at most {most} (hvdtrain's bound; a typo?)")
     return int(text)
 
 

@@ -39,6 +39,11 @@ _COLON = re.compile(rf"^({_HOST}):(\S*)$")
 _BARE = re.compile(rf"^({_HOST})$")
 _DIALECTS = "`host slots=N`, `host slots=N max_slots=M`, `host:N` or `host`"
 _MAX_HOSTFILE = 1 << 20  # characters: a hostfile of 10,000 hosts is about 200 KiB
+# Bounds that catch typos (`-np 100000000000000000000000`) before anything starts: the largest
+# Horovod jobs reported ran about 27,000 processes; a host with more than 1,024 processes is
+# a mistake too (one per GPU or a few per CPU socket is the rule).
+MAX_PROCESSES = 65536
+MAX_SLOTS = 1024
 
 
 class Host(NamedTuple):
@@ -48,9 +53,10 @@ class Host(NamedTuple):
     slots: int
 
 
-def _positive_int(text):
-    """`int(text)` when `text` is a plain positive integer ("4", not "+4", "4.0", "0", "²")."""
-    if text.isascii() and text.isdigit() and int(text) > 0:
+def _positive_int(text, most=MAX_SLOTS):
+    """`int(text)` when `text` is a plain integer from 1 to `most` ("4", not "+4", "4.0",
+    "0", "²", "99999")."""
+    if text.isascii() and text.isdigit() and 0 < int(text) <= most:
         return int(text)
     return None
 
@@ -63,7 +69,8 @@ def parse_hosts_arg(text, flag="-H"):
             listed twice, e.g. "Invalid value for `-H`: received 'node1:0'; expected ...".
     """
     example = (
-        f"host:slots[,host:slots...] with slots a positive integer, e.g. {flag} node1:4,node2:4"
+        f"host:slots[,host:slots...] with slots an integer from 1 to {MAX_SLOTS}, "
+        f"e.g. {flag} node1:4,node2:4"
     )
     hosts, seen = [], set()
     for item in text.split(","):
@@ -90,11 +97,14 @@ def _parse_line(line):
             return Host(match.group(1), 1)
         slots = _positive_int(match.group(2))
         if slots is None:
-            raise ValueError(f"slots {match.group(2)!r} is not a positive integer in {line!r}")
+            raise ValueError(
+                f"slots {match.group(2)!r} is not an integer from 1 to {MAX_SLOTS} in {line!r}"
+            )
         if pattern is _OPENMPI and match.group(3) is not None:
             if _positive_int(match.group(3)) is None:
                 raise ValueError(
-                    f"max_slots {match.group(3)!r} is not a positive integer in {line!r}"
+                    f"max_slots {match.group(3)!r} is not an integer from 1 to {MAX_SLOTS} "
+                    f"in {line!r}"
                 )
         return Host(match.group(1), slots)
     raise ValueError(f"cannot read {line!r}; expected {_DIALECTS}")

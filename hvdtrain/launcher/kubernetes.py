@@ -21,6 +21,7 @@ import shlex
 import string
 
 from hvdtrain.errors import invalid_value
+from hvdtrain.launcher.hosts import MAX_PROCESSES
 
 __all__ = ["DEFAULT_IMAGE", "DEFAULT_COMMAND", "HOSTFILE", "launcher_command", "render_mpijob"]
 
@@ -81,6 +82,8 @@ def _count(value, flag, what):
     text = str(value).strip()
     if isinstance(value, bool) or not re.fullmatch(r"\d+", text) or int(text) < 1:
         raise invalid_value(flag, value, f"a positive integer ({what}), e.g. {flag} 2")
+    if int(text) > MAX_PROCESSES:
+        raise invalid_value(flag, value, f"at most {MAX_PROCESSES} (hvdtrain's bound; a typo?)")
     return int(text)
 
 
