@@ -56,6 +56,8 @@ _EXPORTS = {
     "load_mnist": "mnist_data",
     # set-up
     "HvdtrainError": "errors",
+    "TrainingDiverged": "errors",
+    "OutputsNotWritten": "errors",
     "init": "runtime",
     "is_main_process": "runtime",
     "gpu_for_local_rank": "runtime",

@@ -1,16 +1,19 @@
 """Keras callbacks that know about ranks: checkpoints on rank 0, throughput, logs."""
 
 import logging
+import math
 import sys
 import time
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import invalid_value
+from hvdtrain.errors import TrainingDiverged, invalid_value
 
 __all__ = [
     "CheckpointCallback",
+    "DivergenceCallback",
     "ProgressCallback",
     "ThroughputCallback",
     "ModelStateAverageCallback",
@@ -33,12 +36,23 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             the execution that passed it. Every rank averages the model's non-trainable
             state then (a collective: give this callback to every rank).
         start_step: the global step training starts from (after a resume).
+        history: the metrics of the epochs before `start_step` (the resumed manifest's
+            `history`); each epoch's are added, and every checkpoint holds them all.
     """
 
-    def __init__(self, manager, fields=None, steps_per_epoch=None, every_steps=0, start_step=0):
+    def __init__(
+        self,
+        manager,
+        fields=None,
+        steps_per_epoch=None,
+        every_steps=0,
+        start_step=0,
+        history=None,
+    ):
         super().__init__()
         if every_steps and not steps_per_epoch:
             raise invalid_value("steps_per_epoch", steps_per_epoch, "steps with every_steps")
+        self.history = {k: list(v) for k, v in (history or {}).items()}
         self.manager, self.fields = manager, dict(fields or {})
         self.steps_per_epoch, self.every_steps = steps_per_epoch, every_steps
         self.start_step = self.global_step = start_step
@@ -67,16 +81,64 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             average_model_state(self.model)
             if hvd.rank() == 0:
                 epoch = self.global_step // self.steps_per_epoch
-                path = self.manager.save(epoch, step=step, **self.fields)
+                path = self.manager.save(epoch, step=step, history=self.history, **self.fields)
                 log.info("saved checkpoint %s (epoch %d, step %d)", path, epoch + 1, step)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.steps_per_epoch:
             self.global_step = (epoch + 1) * self.steps_per_epoch
+        logs = _floats(logs)
+        for k, v in logs.items():
+            self.history.setdefault(k, []).append(v)
         if hvd.rank() != 0:
             return
-        path = self.manager.save(epoch + 1, **{**self.fields, "logs": _floats(logs)})
+        path = self.manager.save(epoch + 1, logs=logs, history=self.history, **self.fields)
         log.info("saved checkpoint %s (epoch %d)", path, epoch + 1)
+
+
+class DivergenceCallback(tf.keras.callbacks.Callback):
+    """Ends training with `TrainingDiverged` (exit status 3) as soon as it diverges, on
+    every rank at the same step, before anything is checkpointed after it.
+
+    No collective is needed for the ranks to agree: after each step every rank holds the
+    same weights (the gradients are averaged), so a NaN or infinite gradient on any rank
+    makes the weights non-finite on all of them at once. The check reads the last trainable
+    variable after every execution (a NaN anywhere on the loss's path reaches it within a
+    step), and the epoch's loss averaged over the ranks at each epoch's end. Put it after
+    `MetricAverageCallback` and before `CheckpointCallback`.
+    """
+
+    def __init__(self, steps_per_epoch, start_step=0, lr=None):
+        super().__init__()
+        self.steps_per_epoch, self.start_step, self.lr = steps_per_epoch, start_step, lr
+        self._first = self._offset = 0
+        self._probe = None
+
+    def on_train_begin(self, logs=None):
+        variables = self.model.trainable_variables
+        self._probe = variables[-1] if variables else None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._first = epoch * self.steps_per_epoch
+        self._offset = max(0, self.start_step - self._first)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._probe is not None and not np.isfinite(self._probe.numpy()).all():
+            epoch = self._first // self.steps_per_epoch
+            self._stop(f"the weights at epoch {epoch + 1}, step {self._offset + batch + 1}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            self._stop(f"the loss of epoch {epoch + 1} ({float(loss)})")
+
+    def _stop(self, what):
+        lr = f" (now {self.lr:g})" if isinstance(self.lr, float) else ""
+        raise TrainingDiverged(
+            f"training diverged: {what} became NaN or infinite; stopped on every rank, no "
+            f"checkpoint written after it (the newest one is kept). Lower --lr{lr}, lengthen "
+            "--warmup-epochs, or check the data and the loss for NaN or infinite values."
+        )
 
 
 class DeterministicRandomness(tf.keras.callbacks.Callback):

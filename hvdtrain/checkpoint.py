@@ -61,6 +61,7 @@ class Manifest:
         size, global_batch, steps_per_epoch: the run that wrote it (for a resume on
             another number of ranks).
         prog: the program; logs: the epoch's metrics; data: what the data was.
+        history: the metrics of every epoch so far, the resumed runs' included.
         extra: anything else the writer recorded.
     """
 
@@ -77,6 +78,7 @@ class Manifest:
     prog: str | None = None
     logs: dict = dataclasses.field(default_factory=dict)
     data: dict | None = None
+    history: dict = dataclasses.field(default_factory=dict)
     extra: dict = dataclasses.field(default_factory=dict)
     path: str | None = dataclasses.field(default=None, compare=False)  # where it was read
 
@@ -118,6 +120,8 @@ class Manifest:
             return None
         if m.epoch < 0 or m.step < 0:
             return None
+        if not isinstance(m.history, dict):
+            m.history = {}
         return m
 
 
@@ -164,6 +168,7 @@ class CheckpointManager:
         self.model = model
         self.optimizer = optimizer
         self.keep = keep
+        self.skipped = []  # the damaged checkpoint folders the last `latest()` passed over
 
     # -- checks -------------------------------------------------------------------------
     def check_writable(self):
@@ -225,14 +230,27 @@ class CheckpointManager:
     def latest(self):
         """The `Manifest` of the newest valid checkpoint (its `path` set), or None.
 
-        A damaged newer checkpoint is skipped with a warning.
+        A damaged newer checkpoint is skipped with a warning; when there are checkpoint
+        folders but none is usable, one warning says so (`skipped` names them).
         """
+        self.skipped = []
         for (epoch, step), path in self._epochs():
             manifest = self._manifest(path, epoch, step)
             if manifest is not None:
                 return manifest
             log.warning("skipping damaged checkpoint %s", path)
+            self.skipped.append(os.path.basename(path))
+        if self.skipped:
+            log.warning("no usable checkpoint in %s: %s", self.directory, self.found())
         return None
+
+    def found(self):
+        """What the last `latest()` found, in words."""
+        names = self.skipped
+        if not names:
+            return "no checkpoint folder (epoch-NNNN) there"
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"{len(names)} checkpoint folder(s), each damaged or not hvdtrain's ({shown})"
 
     def restore(self, manifest):
         """Loads the weights and optimizer state of the checkpoint `manifest` describes (from
@@ -267,7 +285,8 @@ class CheckpointManager:
     def save(self, epoch, extra=None, step=0, **fields):
         """Writes a checkpoint atomically and returns its path: after `epoch` completed
         epochs and `step` steps into the next one. `fields` fill the `Manifest` (size,
-        global_batch, steps_per_epoch, prog, logs, data); `extra` goes to its `extra`."""
+        global_batch, steps_per_epoch, prog, logs, data, history); `extra` goes to its
+        `extra`."""
         name = f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
@@ -312,9 +331,27 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for _, old in self._epochs()[self.keep :]:
+        for old in self._recognized()[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def _recognized(self):
+        """Paths of the checkpoints whose manifest names them (newest first): the only ones
+        that count toward `keep` and may be deleted. A damaged folder, or one renamed or put
+        there by hand (`epoch-9999`), is left alone."""
+        out = []
+        for (epoch, step), path in self._epochs():
+            try:
+                file = os.path.join(path, "manifest.json")
+                if not _regular(file) or os.path.getsize(file) > _MAX_MANIFEST:
+                    continue
+                with open(file, encoding="utf-8") as f:
+                    m = Manifest.from_dict(json.load(f), path)
+            except (OSError, ValueError, RecursionError, HvdtrainError):
+                continue
+            if m is not None and (m.epoch, m.step) == (epoch, step):
+                out.append(path)
+        return out
 
 
 def _describe(fingerprint):

@@ -358,8 +358,9 @@ def run(recipe):
     if out is None:  # only if Horovod swallowed an error that body() did not see
         raise HvdtrainError("elastic training stopped on an error Horovod did not report")
     result, ranks = out
-    history = {}
-    for epoch in sorted(record.epochs):
+    history = {k: list(v) for k, v in recipe.history_before.items()}  # from the checkpoint
+    before = max((len(v) for v in history.values()), default=0)
+    for epoch in sorted(e for e in record.epochs if e >= before):
         for k, v in record.epochs[epoch].items():
             history.setdefault(k, []).append(v)
     return recipe.finish(result, ranks, history=history, elastic=record.section())

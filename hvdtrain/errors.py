@@ -6,6 +6,8 @@ import sys
 
 __all__ = [
     "HvdtrainError",
+    "TrainingDiverged",
+    "OutputsNotWritten",
     "invalid_value",
     "one_line",
     "env_rank",
@@ -33,9 +35,25 @@ class HvdtrainError(Exception):
             so each of them prints it with its rank.
     """
 
+    exit_code = 2  # the process's exit status (see the README's "Exit codes")
+
     def __init__(self, message, every_rank=True):
         super().__init__(one_line(message))
         self.every_rank = every_rank
+
+
+class TrainingDiverged(HvdtrainError):
+    """The loss or the weights became NaN or infinite: every rank stops at the same step,
+    nothing is checkpointed after it. Exit status 3."""
+
+    exit_code = 3
+
+
+class OutputsNotWritten(HvdtrainError):
+    """Training finished but a file at its end could not be written (the message says what
+    was and what was not written). Exit status 4."""
+
+    exit_code = 4
 
 
 def invalid_value(name, received, expected):
@@ -52,8 +70,11 @@ def env_rank():
     return 0
 
 
-def exit_with_error(prog, error, code=2):
-    """Prints `error` once (see `HvdtrainError.every_rank`) and exits with `code`."""
+def exit_with_error(prog, error, code=None):
+    """Prints `error` once (see `HvdtrainError.every_rank`) and exits with `code` (default:
+    the error's `exit_code`, else 2)."""
+    if code is None:
+        code = getattr(error, "exit_code", 2)
     rank = env_rank()
     if rank == 0 or not getattr(error, "every_rank", True):
         where = f" [rank {rank}]" if rank else ""

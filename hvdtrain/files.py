@@ -1,24 +1,63 @@
 """Files that are either complete or absent: metrics JSON and the exported model."""
 
 import json
+import math
 import os
 import shutil
 
-__all__ = ["write_json", "export_model"]
+__all__ = ["write_json", "export_model", "check_writable"]
 
 
 def write_json(path, obj):
-    """Writes `obj` as JSON to `path` through a temporary file and a rename."""
+    """Writes `obj` as JSON to `path` through a temporary file and a rename. NaN and
+    infinities become null, so the file is valid JSON for every reader."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(_finite(obj), f, indent=2, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def check_writable(path, flag, folder=False):
+    """Proves that `path` (a file, or with `folder` a folder) can be written, making the
+    missing folders; raises the one-line `HvdtrainError` naming `flag` otherwise. Run
+    before training, so that a bad path costs nothing."""
+    from hvdtrain.errors import invalid_value
+
+    path = os.path.abspath(path)
+    where = path if folder else os.path.dirname(path)
+    try:
+        if not folder and os.path.isdir(path):
+            raise IsADirectoryError(21, "it is a folder")
+        os.makedirs(where, exist_ok=True)
+        probe = os.path.join(where, f".hvdtrain-write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        what = "a folder" if folder else "a file"
+        raise invalid_value(
+            flag, path, f"{what} hvdtrain can write ({e.strerror or e}); choose another path"
+        ) from None
 
 
 def export_model(model, build_fn, path, policy=None):

@@ -44,6 +44,8 @@ class TrainConfig:
             something acts on every step (`checkpoint_every`, `deterministic`).
         checkpoint_dir: checkpoints (rank 0) and resume from the newest valid one.
         keep_checkpoints: how many complete checkpoints to keep.
+        require_resume: refuse to start from scratch: an error (exit 2) when
+            `checkpoint_dir` holds no usable checkpoint.
         checkpoint_every: also checkpoint every N steps mid-epoch (0: epoch ends only).
         deterministic: deterministic ops and per-step random seeds: a killed and resumed run
             ends with the same weights as an uninterrupted one (bitwise on CPU).
@@ -70,6 +72,7 @@ class TrainConfig:
     steps_per_execution: int | None = None
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2
+    require_resume: bool = False
     checkpoint_every: int = 0
     deterministic: bool = False
     metrics_json: str | None = None
@@ -117,6 +120,8 @@ class TrainConfig:
             path = getattr(self, name)
             if path is not None and (not isinstance(path, str) or not path.strip()):
                 raise invalid_value(_flag(name), path, "a path")
+        if self.require_resume and not self.checkpoint_dir:
+            raise invalid_value("--require-resume", True, "--checkpoint-dir with it")
         if self.metrics_json and os.path.isdir(self.metrics_json):
             raise invalid_value("--metrics-json", self.metrics_json, "a file path, not a folder")
 
@@ -259,6 +264,7 @@ def _add_training_flags(p, d):
     f = p.add_argument_group("files (rank 0 writes them)")
     flag(f, "checkpoint_dir", "save here and resume from the newest valid checkpoint", type=str)
     flag(f, "keep_checkpoints", "checkpoints kept")
+    flag(f, "require_resume", "fail instead of starting over when no checkpoint is usable")
     flag(f, "checkpoint_every", "also checkpoint every N steps mid-epoch (0: off)")
     flag(f, "metrics_json", "the run's figures as JSON", type=str)
     flag(f, "log_dir", "TensorBoard logs", type=str)

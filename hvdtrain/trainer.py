@@ -41,7 +41,13 @@ from hvdtrain import callbacks as cb
 from hvdtrain import compat, elastic, files, metrics, optim, runtime, tuning, watchdog
 from hvdtrain import data as datamod
 from hvdtrain.checkpoint import CheckpointManager
-from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.errors import (
+    HvdtrainError,
+    OutputsNotWritten,
+    TrainingDiverged,
+    exit_with_error,
+    invalid_value,
+)
 from hvdtrain.flags import make_config
 from hvdtrain.logs import get_logger
 
@@ -69,7 +75,11 @@ def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
         return elastic.run(run)
     run.setup()
     run.start()
-    run.train()
+    try:
+        run.train()
+    except TrainingDiverged as e:
+        run.write_metrics({**run.summary(), "status": "diverged", "error": str(e)})
+        raise
     return run.finish(run.evaluate())
 
 
@@ -98,6 +108,7 @@ class Run:
         self.prog = prog or os.path.basename(sys.argv[0] or "hvdtrain") or "hvdtrain"
         self.user_callbacks = list(callbacks)
         self.history, self.resumed, self.start_step = {}, None, 0
+        self.history_before = {}  # the epochs before the resumed checkpoint
         self.data = self.steps = None
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
@@ -169,6 +180,8 @@ class Run:
         self.place = p
         self.log = get_logger(p.rank)  # after an elastic reset rank 0 may be another worker
         first = self.data is None
+        if first:  # a bad output path fails now, on every rank, not after the training
+            runtime.agree(self._check_outputs, root_only=True)
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
         self.data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
@@ -193,23 +206,45 @@ class Run:
         self.test_ds = self.data.eval_dataset(cfg.eval_batch_size, p)
         return self.start_step
 
+    def _check_outputs(self):
+        cfg = self.cfg
+        if self.manager:
+            self.manager.check_writable()
+        if cfg.metrics_json:
+            files.check_writable(cfg.metrics_json, "--metrics-json")
+        if cfg.log_dir:
+            files.check_writable(cfg.log_dir, "--log-dir", folder=True)
+
     def _resume(self, steps):
         if not self.manager:
             return 0
 
+        # Horovod: rank 0 reads the checkpoint; the broadcast hands it to every rank.
+        import horovod.tensorflow as hvd
+
         def latest():
             self.manager.check_writable()
             found = self.manager.latest()
+            if found is None and self.cfg.require_resume:
+                raise HvdtrainError(
+                    f"nothing to resume from in --checkpoint-dir {self.manager.directory}: "
+                    f"{self.manager.found()}; --require-resume refuses to start over. Point "
+                    "--checkpoint-dir at the run's checkpoints, or drop --require-resume to "
+                    "start from scratch."
+                )
             return found and self.manager.restore(found).to_dict()
-
-        # Horovod: rank 0 reads the checkpoint; the broadcast hands it to every rank.
-        import horovod.tensorflow as hvd
 
         saved = runtime.agree(latest, root_only=True)
         saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
         if not saved:
             return 0
         step = resume_step(saved, steps, self.global_batch, self.cfg.accumulate)
+        # The metrics of the epochs done before, so the metrics JSON covers the whole job.
+        done = step // steps
+        self.history = {
+            k: list(v)[:done] for k, v in (saved.get("history") or {}).items() if list(v)[:done]
+        }
+        self.history_before = {k: list(v) for k, v in self.history.items()}
         self.resumed = {
             "epoch": saved["epoch"],
             "step": saved["step"],
@@ -251,6 +286,8 @@ class Run:
             metrics.MetricAverageCallback(
                 evaluate_fn=self.evaluate if self.data.has_test else None
             ),
+            # Every rank stops together on a NaN or infinite loss, before any checkpoint.
+            cb.DivergenceCallback(steps, self.start_step, self.lr_base()),
             self.throughput,
             *self.user_callbacks,
             *state_callbacks,
@@ -278,7 +315,12 @@ class Run:
             }
             out.append(
                 cb.CheckpointCallback(
-                    self.manager, fields, steps, cfg.checkpoint_every, self.start_step
+                    self.manager,
+                    fields,
+                    steps,
+                    cfg.checkpoint_every,
+                    self.start_step,
+                    history=self.history,
                 )
             )
         if commit is not None:
@@ -314,16 +356,20 @@ class Run:
                 cfg.batch_size, self.place, seed=cfg.seed, start_step=first, steps=steps,
                 epochs=cfg.epochs,
             )  # fmt: skip
-            run = self.model.fit(
-                train_ds,
-                epochs=epochs,
-                initial_epoch=first // steps,
-                steps_per_epoch=steps_this_epoch,
-                callbacks=callbacks,
-                verbose=0,
-            )
-            for k, vs in run.history.items():
-                self.history.setdefault(k, []).extend(float(v) for v in vs)
+            self.model.history = None  # Keras sets it at the first epoch's end
+            try:
+                self.model.fit(
+                    train_ds,
+                    epochs=epochs,
+                    initial_epoch=first // steps,
+                    steps_per_epoch=steps_this_epoch,
+                    callbacks=callbacks,
+                    verbose=0,
+                )
+            finally:  # the epochs done, also when training stopped (diverged)
+                done = getattr(self.model, "history", None)
+                for k, vs in (done.history if done else {}).items():
+                    self.history.setdefault(k, []).extend(float(v) for v in vs)
 
         try:
             if start % steps and start // steps < cfg.epochs:  # finish the interrupted epoch
@@ -365,19 +411,20 @@ class Run:
             )
         return ranks
 
-    def finish(self, result, ranks=None, **more):
-        """The metrics dict; rank 0 exports the model and writes the metrics JSON."""
+    def summary(self):
+        """The run's figures so far (what the metrics JSON holds before the test results)."""
         cfg, p = self.cfg, self.place
-        ranks = ranks or self.check()
-        rates = self.throughput
-        out = {
+        rates = getattr(self, "throughput", None)
+        steps = self.steps or 1
+        return {
             "prog": self.prog,
+            "status": "running",
             "size": p.size,
             "epochs": cfg.epochs,
-            "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // self.steps,
+            "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // steps,
             "resumed_from": self.resumed,
             "steps_per_epoch": self.steps,
-            "steps_per_execution": min(self.spe, self.steps),
+            "steps_per_execution": min(self.spe, steps),
             "batch_size": cfg.batch_size,
             "global_batch_size": self.global_batch,
             "deterministic": cfg.deterministic,
@@ -391,36 +438,70 @@ class Run:
             "optimizer_iterations": int(self.opt.iterations),
             "data_source": self.data.source,
             "train_samples": self.data.num_samples,
-            "test": result,
-            "test_samples": result.get("samples", 0),
-            "test_loss": result.get("loss"),
-            "test_accuracy": result.get("accuracy"),
             "train_samples_per_sec": rates.samples_per_sec if rates else None,
             "epoch_samples_per_sec": rates.epoch_samples_per_sec if rates else [],
             "wall_seconds": time.perf_counter() - self.wall,
             "history": self.history,
-            "ranks": ranks,
+        }
+
+    def write_metrics(self, out):
+        """Rank 0 writes `out` to --metrics-json (if given); returns the path or None."""
+        if self.place.rank == 0 and self.cfg.metrics_json:
+            return files.write_json(self.cfg.metrics_json, out)
+        return None
+
+    def finish(self, result, ranks=None, **more):
+        """The metrics dict; rank 0 exports the model and writes the metrics JSON.
+
+        A write that fails here loses nothing already written: the export and the JSON are
+        tried both, and `OutputsNotWritten` (exit status 4) says which were written."""
+        p = self.place
+        out = {
+            **self.summary(),
+            "status": "finished",
+            "test": result,
+            "test_samples": result.get("samples", 0),
+            "test_loss": result.get("loss"),
+            "test_accuracy": result.get("accuracy"),
+            "ranks": ranks or self.check(),
             **more,
         }
-        if p.rank == 0:
-            if self.manager:
-                path = os.path.join(self.manager.directory, "model.keras")
+        if p.rank != 0:
+            return out
+        written, failed = [], []
+        if self.manager:
+            path = os.path.join(self.manager.directory, "model.keras")
+            try:
                 out["exported_model"] = files.export_model(
                     self.model, self.build_model, path, self.policy
                 )
-            if cfg.metrics_json:
-                files.write_json(cfg.metrics_json, out)
-            shown = ", ".join(
-                f"{k} {v:.4f}" for k, v in result.items() if k != "samples" and isinstance(v, float)
+                written.append(f"the model {path}")
+            except (OSError, ValueError, RuntimeError) as e:
+                failed.append(f"the model {path} ({_reason(e)})")
+        try:
+            if self.write_metrics(out):
+                written.append(f"the metrics {self.cfg.metrics_json}")
+        except (OSError, ValueError, TypeError) as e:
+            failed.append(f"the metrics {self.cfg.metrics_json} ({_reason(e)})")
+        if failed:
+            kept = f"; the trained weights are in {self.manager.directory}" if self.manager else ""
+            raise OutputsNotWritten(
+                f"training finished, but could not write {' and '.join(failed)}; written: "
+                f"{', '.join(written) or 'nothing'}{kept}. Free space or fix the path, then "
+                "run the same command again: it resumes and writes them without training.",
+                every_rank=False,
             )
-            rate = out["train_samples_per_sec"]
-            self.log.info(
-                "test: %s on %d samples; %s samples/s; %.1f s",
-                shown or "n/a",
-                result.get("samples", 0),
-                f"{rate:.0f}" if rate else "n/a",
-                out["wall_seconds"],
-            )
+        shown = ", ".join(
+            f"{k} {v:.4f}" for k, v in result.items() if k != "samples" and isinstance(v, float)
+        )
+        rate = out["train_samples_per_sec"]
+        self.log.info(
+            "test: %s on %d samples; %s samples/s; %.1f s",
+            shown or "n/a",
+            result.get("samples", 0),
+            f"{rate:.0f}" if rate else "n/a",
+            out["wall_seconds"],
+        )
         return out
 
 
@@ -508,6 +589,11 @@ def _as_data(source, limit=None):
             raise invalid_value("--limit-samples", limit, "no value: it limits in-memory arrays")
         d = d.limit(limit)
     return d
+
+
+def _reason(error):
+    """An OSError's reason (`No space left on device`), else the error's first line."""
+    return getattr(error, "strerror", None) or (str(error).splitlines() or [repr(error)])[0]
 
 
 def _explained(error, rank):

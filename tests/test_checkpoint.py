@@ -113,3 +113,34 @@ def test_the_manifest_has_a_format_version_and_an_unknown_one_is_refused(tmp_pat
     path.write_text(json.dumps({**written, "format": 3}))
     with pytest.raises(HvdtrainError, match="it has format 3; this hvdtrain reads formats 1, 2"):
         manager.latest()
+
+
+def test_only_recognised_checkpoints_count_and_are_deleted(tmp_path):
+    """A folder renamed or put there by hand (`epoch-9999`) or a damaged one neither takes
+    a place among the kept checkpoints nor gets deleted; good ones are never lost to it."""
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer, keep=2)
+    os.rename(manager.save(1), tmp_path / "epoch-9999")  # a manifest that names epoch 1
+    (tmp_path / "epoch-8888").mkdir()
+    (tmp_path / "epoch-8888" / "notes.txt").write_text("mine")
+    for epoch in (2, 3, 4):
+        manager.save(epoch, history={"loss": [1.0] * epoch})
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003", "epoch-0004", "epoch-8888", "epoch-9999"]
+    found = manager.latest()
+    assert found.epoch == 4 and found.history == {"loss": [1.0] * 4}
+    assert manager.skipped == ["epoch-9999", "epoch-8888"]
+
+
+def test_every_checkpoint_damaged_is_said_in_one_line(tmp_path, caplog):
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer)
+    path = manager.save(1)
+    (tmp_path / "epoch-0001" / "manifest.json").write_text("{broken")
+    assert manager.latest() is None
+    assert manager.found() == (
+        "1 checkpoint folder(s), each damaged or not hvdtrain's (epoch-0001)"
+    )
+    lines = [r.getMessage() for r in caplog.records if "no usable checkpoint" in r.getMessage()]
+    assert lines == [f"no usable checkpoint in {tmp_path}: {manager.found()}"], path
+    empty = CheckpointManager(tmp_path / "new", model, optimizer)
+    assert empty.latest() is None and "no checkpoint folder" in empty.found()

@@ -101,3 +101,19 @@ def test_mistakes_with_the_building_blocks_are_clear_errors():
     wrapped = hvdtrain.distributed_optimizer(tf.keras.optimizers.SGD(0.1))
     with pytest.raises(HvdtrainError, match="already distributed"):
         hvdtrain.distributed_optimizer(wrapped)  # Horovod itself recursed without end
+
+
+def test_metrics_json_is_valid_json_whatever_the_numbers(tmp_path):
+    """NaN and infinities (a diverged run's loss) become null: strict readers accept it."""
+    import json
+    import os
+
+    from hvdtrain.files import write_json
+
+    path = write_json(tmp_path / "sub" / "m.json", {"loss": [1.0, float("nan")], "x": float("inf")})
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    assert json.loads(open(path).read(), parse_constant=refuse) == {"loss": [1.0, None], "x": None}
+    assert os.listdir(tmp_path / "sub") == ["m.json"]

@@ -8,7 +8,8 @@ own data, in one of hvdtrain's forms.
 --data arrays: numpy arrays; tfrecord: DIR/train-*.tfrecord and DIR/test-*.tfrecord (written
 by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord on each host; dataset: a tf.data
 pipeline made per rank and epoch. --kill-at N: rank 1 SIGKILLs itself after global step N;
---stall-at N: it hangs there (its watchdog ends it).
+--stall-at N: it hangs there (its watchdog ends it). --spoil-metrics-folder: the metrics
+JSON's folder becomes a file when training ends (the final write fails).
 """
 
 import os
@@ -99,6 +100,25 @@ class Fault(tf.keras.callbacks.Callback):
                 time.sleep(3600)
 
 
+class SpoilMetricsFolder(tf.keras.callbacks.Callback):
+    """At the end of training, puts a file where the metrics JSON's folder is: the write
+    after training fails (a full or lost disk, as a user would meet it)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.folder = os.path.dirname(os.path.abspath(path))
+
+    def on_train_end(self, logs=None):
+        import shutil
+
+        import horovod.tensorflow as hvd
+
+        if hvd.rank() == 0:
+            shutil.rmtree(self.folder)
+            with open(self.folder, "w") as f:
+                f.write("not a folder")
+
+
 def make_data(args):
     if args.data == "arrays":
         return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1))
@@ -133,9 +153,11 @@ def main():
     parser.add_argument("--files", help="the TFRecord folder")
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 dies after this step")
     parser.add_argument("--stall-at", type=int, default=0, help="rank 1 hangs after this step")
+    parser.add_argument("--spoil-metrics-folder", action="store_true")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
+    callbacks += [SpoilMetricsFolder(args.metrics_json)] if args.spoil_metrics_folder else []
     result = hvdtrain.fit(build_model, make_data(args), args, callbacks=callbacks)
     print(f"rank done: test {result['test']}", file=sys.stderr)
 

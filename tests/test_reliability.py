@@ -1,0 +1,122 @@
+"""Nothing lost to a bad path, a diverging run or a damaged checkpoint folder.
+
+Real processes (`python -m hvdtrain.mnist`, tests/workers/recipe.py), one rank or two under
+`horovodrun --gloo`; each asserts the exit status, one line of error without a traceback,
+and what is on disk afterwards.
+"""
+
+import hashlib
+import json
+import os
+import re
+
+import pytest
+from conftest import run_job, worker
+
+MNIST = ["-m", "hvdtrain.mnist", "--limit-samples", "512", "--progress", "off"]
+RECIPE = worker("recipe.py")
+
+
+def strict_json(path):
+    def refuse(name):
+        raise ValueError(f"{path} is not valid JSON: {name}")
+
+    with open(path) as f:
+        return json.loads(f.read(), parse_constant=refuse)
+
+
+def error_lines(proc):
+    """The error lines; no rank printed a traceback (horovodrun's own, after a rank failed,
+    is the launcher's)."""
+    text = (proc.stdout + proc.stderr).splitlines()
+    tagged = [line.split(">:", 1)[1] for line in text if re.match(r"\[\d+\]<std...>:", line)]
+    assert not any(line.startswith("Traceback") for line in tagged or text), proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if ": error: " in line]
+
+
+def digest(folder):
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        h.update(name.encode() + open(os.path.join(folder, name), "rb").read())
+    return h.hexdigest()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "flag, path, words",
+    [
+        ("--metrics-json", "/proc/hvdtrain/m.json", "`--metrics-json`: received '/proc/hvdtrain"),
+        ("--log-dir", "/proc/hvdtrain-tb", "`--log-dir`: received '/proc/hvdtrain-tb'"),
+        ("--metrics-json", "{file}/m.json", "expected a file hvdtrain can write"),
+    ],
+)
+def test_a_bad_output_path_fails_before_the_first_step(tmp_path, flag, path, words):
+    (tmp_path / "file").write_text("a file, not a folder")
+    ckpt = tmp_path / "ckpt"
+    path = path.format(file=tmp_path / "file")
+    proc = run_job(1, "none", [*MNIST, "--checkpoint-dir", str(ckpt), flag, path], check=False)
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
+    assert "training on" not in proc.stderr and os.listdir(ckpt) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_history_is_kept_across_resumes_and_a_diverging_run_stops_on_every_rank(tmp_path):
+    """Epoch 1, then resumed for epoch 2, then the finished job run again: the metrics JSON
+    holds both epochs each time. Then `--lr 1e30` for a third epoch: every rank stops at the
+    same step (no hang), exit status 3 from the ranks, one error line, the epoch-2
+    checkpoint untouched and nothing written after it, the metrics JSON valid with
+    `status: diverged` and the two good epochs."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    args = [*MNIST, "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
+    for epochs, resumed in ((1, False), (2, True), (2, True)):
+        run_job(2, "gloo", [*args, "--epochs", str(epochs)])
+        out = strict_json(metrics)
+        assert out["status"] == "finished" and bool(out["resumed_from"]) == resumed
+        assert len(out["history"]["loss"]) == len(out["history"]["val_accuracy"]) == 2 or (
+            epochs == 1 and len(out["history"]["loss"]) == 1
+        )
+    good = digest(ckpt / "epoch-0002")
+    proc = run_job(2, "gloo", [*args, "--epochs", "3", "--lr", "1e30"], check=False)
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and "Exit code: 3" in proc.stderr + proc.stdout
+    assert len(lines) == 1 and "training diverged: the weights at epoch 3" in lines[0], lines
+    assert sorted(os.listdir(ckpt)) == ["epoch-0001", "epoch-0002", "model.keras"]
+    assert digest(ckpt / "epoch-0002") == good
+    out = strict_json(metrics)
+    assert out["status"] == "diverged" and "training diverged" in out["error"]
+    assert len(out["history"]["loss"]) == 2
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_write_after_training_keeps_the_model_and_says_what_was_written(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "out" / "m.json"
+    proc = run_job(
+        1,
+        "none",
+        [RECIPE, "--epochs", "1", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics),
+         "--spoil-metrics-folder"],
+        check=False,
+    )  # fmt: skip
+    lines = error_lines(proc)
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"could not write the metrics {metrics}" in lines[0]
+    assert f"written: the model {ckpt / 'model.keras'}" in lines[0]
+    assert (ckpt / "model.keras").is_file() and (ckpt / "epoch-0001").is_dir()
+
+
+@pytest.mark.timeout(200)
+def test_require_resume_refuses_a_folder_of_damaged_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for name in ("epoch-0002", "epoch-9999"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "manifest.json").write_text("{damaged")
+    proc = run_job(
+        1, "none", [*MNIST, "--checkpoint-dir", str(ckpt), "--require-resume"], check=False
+    )
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"nothing to resume from in --checkpoint-dir {ckpt}: 2 checkpoint folder(s)" in lines[0]
+    assert "(epoch-9999, epoch-0002)" in lines[0]
+    assert sorted(os.listdir(ckpt)) == ["epoch-0002", "epoch-9999"]
