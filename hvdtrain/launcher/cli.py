@@ -49,7 +49,7 @@ import sys
 
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.flags import ArgumentParser
-from hvdtrain.launcher import doctor, elastic, kubernetes
+from hvdtrain.launcher import doctor, elastic, failures, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
     TUNABLES,
@@ -307,9 +307,14 @@ def make_config(args, environ):
     )
 
 
-def run_command(argv, env):
+def run_command(argv, env, hosts=None):
     """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
-    group; returns its exit code (128+N when it died of signal N)."""
+    group; returns its exit code (128+N when it died of signal N).
+
+    With `hosts` (the host of each rank), the launcher's stderr passes through a
+    `failures.OutputFilter`: its own traceback after a failed rank is left out and, when
+    the job fails, one line names the first rank that failed and its host (or the host
+    that was lost); the exit code is then that rank's."""
     child, pending = [], []
 
     def forward(signum, frame):
@@ -322,18 +327,39 @@ def run_command(argv, env):
             pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    watch = failures.OutputFilter() if hosts is not None else None
     try:
         try:
-            child.append(subprocess.Popen(argv, env=env, start_new_session=True))
+            child.append(
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    start_new_session=True,
+                    stderr=subprocess.PIPE if watch else None,
+                    text=True,
+                    errors="replace",
+                )
+            )
         except OSError as e:
             raise HvdtrainError(f"cannot run {argv[0]}: {e.strerror or e}") from None
         for signum in pending:
             forward(signum, None)
+        if watch:
+            for line in child[0].stderr:
+                sys.stderr.writelines(watch.feed(line))
+                sys.stderr.flush()
+            sys.stderr.writelines(watch.flush())
         code = child[0].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if watch and code:
+        failure = failures.find_failure(watch.seen, hosts)
+        if failure:
+            print(f"{PROG}: {failures.explain(failure, hosts)}", file=sys.stderr, flush=True)
+            code = failure.exit_code or code
+    return code
 
 
 def _launch(args):
@@ -360,7 +386,8 @@ def _launch(args):
         return 0
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-    return run_command(argv, {**environ, **env})
+    hosts = failures.rank_hosts(config.hosts, config.np) if config.backend != "srun" else []
+    return run_command(argv, {**environ, **env}, hosts)
 
 
 def _own_names():

@@ -1,0 +1,92 @@
+"""The one line `hvdtrain-run` prints when a job fails, from the launchers' real messages
+(captured from horovodrun 0.28.1 and Open MPI 4.1 on this machine). Pure: no processes."""
+
+from hvdtrain.launcher.failures import OutputFilter, explain, find_failure, rank_hosts
+from hvdtrain.launcher.hosts import Host
+
+HOSTS = rank_hosts([Host("node1", 1), Host("node2", 2)], 3)
+
+GLOO = """\
+[0]<stderr>:hvdtrain: rank 0 stopped: Horovod was shut down because another rank failed
+Process 1 exit with status code 137.
+Terminating remaining workers after failure of Process 1.
+Traceback (most recent call last):
+  File "/venv/bin/horovodrun", line 8, in <module>
+    sys.exit(run_commandline())
+             ^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.12/site-packages/horovod/runner/gloo_run.py", line 285, in launch_gloo
+    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus \
+causing the job to be terminated. The first process to do so was:
+Process name: 1
+Exit code: 137
+
+"""
+
+MPI_SIGNAL = """\
+--------------------------------------------------------------------------
+mpirun noticed that process rank 2 with PID 0 on node node2 exited on signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+
+MPI_EXIT = """\
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[40129,1],1]
+  Exit code:    3
+--------------------------------------------------------------------------
+"""
+
+MPI_LOST = """\
+--------------------------------------------------------------------------
+ORTE has lost communication with a remote daemon.
+
+  HNP daemon   : [[5364,0],0] on node node1
+  Remote daemon: [[5364,0],1] on node node2
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------
+"""
+
+
+def filtered(text):
+    f = OutputFilter()
+    out = [piece for line in text.splitlines(keepends=True) for piece in f.feed(line)]
+    return "".join(out + f.flush()), f
+
+
+def test_rank_hosts_fill_host_by_host():
+    assert HOSTS == ["node1", "node2", "node2"]
+
+
+def test_gloo_names_the_dead_rank_and_drops_horovodruns_traceback():
+    shown, f = filtered(GLOO)
+    assert "Traceback" not in shown and "Process name" not in shown
+    assert "rank 0 stopped" in shown and "Process 1 exit with status code 137." in shown
+    failure = find_failure(f.seen, HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 137)
+    assert explain(failure, HOSTS) == (
+        "rank 1 on host node2 was killed by signal 9 (SIGKILL) first; the job was ended"
+    )
+
+
+def test_mpirun_signal_exit_status_and_lost_host():
+    failure = find_failure(MPI_SIGNAL.splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.signal, failure.exit_code) == (2, "node2", 9, 137)
+    failure = find_failure(MPI_EXIT.splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 3)
+    assert "exit status 3 (training diverged)" in explain(failure, HOSTS)
+    failure = find_failure(MPI_LOST.splitlines(), HOSTS)
+    assert failure.lost_host == "node2"
+    assert explain(failure, HOSTS).startswith("lost host node2 (ranks 1, 2): Open MPI lost")
+
+
+def test_other_tracebacks_pass_through_and_nothing_found_is_none():
+    text = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: mine\nafter\n'
+    shown, f = filtered(text)
+    assert shown == text and find_failure(f.seen) is None
