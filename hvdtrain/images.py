@@ -80,7 +80,13 @@ def build_model(classes, weights=None):
         input_shape=(SIZE, SIZE, 3), include_top=False, weights=None, pooling="avg"
     )
     if weights:
-        base.load_weights(weights)
+        try:
+            base.load_weights(weights)
+        except (OSError, ValueError) as e:  # not HDF5, or another network's weights
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            raise invalid_value(
+                "--weights", weights, f"Keras MobileNetV2 no-top weights (.h5): {reason}"
+            ) from None
         base.trainable = False
     inputs = tf.keras.Input((SIZE, SIZE, 3))
     x = base(inputs, training=False if weights else None)

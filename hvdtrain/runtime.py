@@ -250,6 +250,8 @@ def agree(fn, *, root_only=False):
     goes on into a collective that the failed one never joins (a hang). Returns `fn()`'s
     result on each rank that ran it (None elsewhere).
     """
+    from hvdtrain.watchdog import holding
+
     result, message = None, None
     if not root_only or hvd.rank() == 0:
         try:
@@ -257,6 +259,7 @@ def agree(fn, *, root_only=False):
         except HvdtrainError as e:
             message = str(e)
     if hvd.size() > 1:
+        holding("done with a set-up step, waiting for the other ranks to finish it", True)
         if root_only:
             message = hvd.broadcast_object(message, root_rank=0, name="hvdtrain.agree")
         else:

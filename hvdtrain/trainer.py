@@ -73,14 +73,18 @@ def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
     run = Run(make_config(config, **options), build_model, data, prog, list(callbacks))
     if run.cfg.elastic:
         return elastic.run(run)
-    run.setup()
-    run.start()
     try:
-        run.train()
-    except TrainingDiverged as e:
-        run.write_metrics({**run.summary(), "status": "diverged", "error": str(e)})
-        raise
-    return run.finish(run.evaluate())
+        run.setup()
+        run.start()
+        try:
+            run.train()
+        except TrainingDiverged as e:
+            run.write_metrics({**run.summary(), "status": "diverged", "error": str(e)})
+            raise
+        return run.finish(run.evaluate())
+    finally:
+        if run.guard is not None:
+            run.guard.stop()
 
 
 def resume_step(saved, steps, global_batch, accumulate=1):
@@ -110,6 +114,7 @@ class Run:
         self.history, self.resumed, self.start_step = {}, None, 0
         self.history_before = {}  # the epochs before the resumed checkpoint
         self.data = self.steps = None
+        self.guard = None  # the watchdog of the whole run (not elastic: see `setup`)
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
@@ -120,6 +125,13 @@ class Run:
         runtime.init(threads=cfg.threads)
         self.place = datamod.Placement.current()
         self.log = get_logger(self.place.rank)
+        # A rank stuck anywhere from here on (building the model, loading the data, in a
+        # collective) ends the job: long phases get 10 stall times (50 min by default).
+        # Elastic runs watch their training only (a reset restarts the set-up).
+        timeout = runtime.stall_shutdown_seconds()
+        if timeout and not cfg.elastic and self.guard is None:
+            self.guard = watchdog.Watchdog(timeout, self.place.rank)
+            self.guard.start("set-up: building the model", timed=False)
         # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
         tf.keras.utils.set_random_seed(cfg.seed + self.place.rank)
         if cfg.deterministic:
@@ -181,7 +193,9 @@ class Run:
         self.log = get_logger(p.rank)  # after an elastic reset rank 0 may be another worker
         first = self.data is None
         if first:  # a bad output path fails now, on every rank, not after the training
+            watchdog.holding("set-up: checking the output paths")
             runtime.agree(self._check_outputs, root_only=True)
+        watchdog.holding("set-up: preparing the data (loading, counting, agreeing)")
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
         self.data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
@@ -195,6 +209,7 @@ class Run:
         self.warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
         optim.rescale_schedule(self.model, self.schedule, p.size, self.warmup_steps)
         if position is None:
+            watchdog.holding("set-up: resuming from the newest checkpoint")
             self.start_step = self._resume(steps)
             # Horovod: start every rank from rank 0's weights and optimizer state.
             optim.broadcast_initial_state(self.model, self.opt)
@@ -276,7 +291,8 @@ class Run:
     def callbacks(self, extra=(), state_callbacks=(), commit=None):
         """The callbacks of `fit`, in the order they must run."""
         cfg, p, steps = self.cfg, self.place, self.steps
-        self.watchdog = watchdog.WatchdogCallback()  # a stuck rank ends the job: no hang
+        # A stuck rank ends the job: no hang.
+        self.watchdog = watchdog.WatchdogCallback(watchdog=self.guard)
         self.throughput = cb.ThroughputCallback(self.global_batch)
         out = [
             self.watchdog,
@@ -404,6 +420,7 @@ class Run:
 
     def check(self):
         """Every rank's host, pid and weights digest; identical weights or an error."""
+        watchdog.holding("comparing the weights of every rank", waiting=True)
         ranks = runtime.rank_report(self.model)
         if len({r["weights_digest"] for r in ranks}) != 1:
             raise HvdtrainError(
@@ -468,6 +485,7 @@ class Run:
         }
         if p.rank != 0:
             return out
+        watchdog.holding("writing the exported model and the metrics JSON")
         written, failed = [], []
         if self.manager:
             path = os.path.join(self.manager.directory, "model.keras")

@@ -28,7 +28,14 @@ import tensorflow as tf
 
 from hvdtrain.errors import env_rank, invalid_value
 
-__all__ = ["Watchdog", "WatchdogCallback", "EXIT_CODE", "last_activity", "waiting"]
+__all__ = [
+    "Watchdog",
+    "WatchdogCallback",
+    "EXIT_CODE",
+    "last_activity",
+    "waiting",
+    "holding",
+]
 
 EXIT_CODE = 124  # as timeout(1): the process was ended for taking too long
 FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
@@ -46,6 +53,15 @@ def waiting(what):
     steps, so that a rank stuck on its own is the one named."""
     if _latest and _latest[0]._thread is not None:
         _latest[0].beat(what, waiting=True)
+
+
+def holding(what, waiting=False):
+    """Tells this process's watchdog (if running) that it is in a long phase of its own
+    (`FIRST_STEP_FACTOR` times the timeout: building the model, loading the data), or with
+    `waiting` that it is done and waits for the other ranks (2 timeouts more, so that a
+    rank stuck in the phase ends first and names itself)."""
+    if _latest and _latest[0]._thread is not None:
+        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0))
 
 
 def _end_process(message):
@@ -79,10 +95,11 @@ class Watchdog:
         waits for the other ranks (a training step), which gets twice the timeout."""
         self._last = (time.monotonic(), what, self.timeout * (2 if waiting else 1))
 
-    def hold(self, what):
-        """Records `what` this rank is doing, with `FIRST_STEP_FACTOR` times the timeout (the
-        first step of `fit`, which traces and compiles the model: minutes for a large one)."""
-        self._last = (time.monotonic(), what, self.timeout * FIRST_STEP_FACTOR)
+    def hold(self, what, factor=FIRST_STEP_FACTOR):
+        """Records `what` this rank is doing, with `factor` times the timeout (by default
+        for the first step of `fit`, which traces and compiles the model: minutes for a
+        large one)."""
+        self._last = (time.monotonic(), what, self.timeout * factor)
 
     def start(self, what="started", timed=True):
         """Starts (or restarts) watching from now; `timed=False` starts with `hold`."""
@@ -139,16 +156,22 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
             HVDTRAIN_STALL_SHUTDOWN_SECONDS, 300 s); 0 there turns the watchdog off.
         rank: named in the message (default: Horovod's rank).
         on_timeout: see `Watchdog`.
+        watchdog: a running `Watchdog` to feed instead of one of its own (`hvdtrain.fit`
+            starts one at set-up, so the whole run is watched); it is left running when
+            training ends.
 
     If `fit` raises, the watchdog keeps watching until the process ends, so a hang while
     exiting is ended too; call `callback.watchdog.stop()` to catch the error and go on.
     """
 
-    def __init__(self, timeout=None, rank=None, on_timeout=None):
+    def __init__(self, timeout=None, rank=None, on_timeout=None, watchdog=None):
         super().__init__()
         self.rank, self.on_timeout = rank, on_timeout
         self.watchdog = None if timeout is None else Watchdog(timeout, rank, on_timeout)
-        self._follow_stall_time = timeout is None
+        self._owned = watchdog is None
+        if watchdog is not None:
+            self.watchdog = watchdog
+        self._follow_stall_time = timeout is None and self._owned
         self._epoch = 0
         self._armed = False
 
@@ -196,5 +219,5 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
         self._beat(f"validation batch {batch + 1} after epoch {self._epoch}")
 
     def on_train_end(self, logs=None):
-        if self.watchdog is not None:
+        if self.watchdog is not None and self._owned:
             self.watchdog.stop()

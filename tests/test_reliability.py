@@ -120,3 +120,26 @@ def test_require_resume_refuses_a_folder_of_damaged_checkpoints(tmp_path):
     assert f"nothing to resume from in --checkpoint-dir {ckpt}: 2 checkpoint folder(s)" in lines[0]
     assert "(epoch-9999, epoch-0002)" in lines[0]
     assert sorted(os.listdir(ckpt)) == ["epoch-0002", "epoch-9999"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
+    """Before the first collective (in the user's data function), rank 1 never returns.
+    Gloo: the run's watchdog, started at set-up, ends it after 10 stall times (here 3 s
+    each); it names itself before the waiting rank 0 gives up (12 stall times). MPI:
+    Horovod's stall shutdown acts first (after one stall time), marking rank 1 with `!`."""
+    proc = run_job(
+        2,
+        backend,
+        [RECIPE, "--stall-in-data", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        check=False,
+        HVDTRAIN_STALL_SHUTDOWN_SECONDS="3",
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 1: stalling while loading the data" in text
+    if backend == "gloo":
+        assert re.search(r"rank 1 made no progress for 3\d s \(last: set-up: preparing the", text)
+    else:
+        assert "1!: [HorovodAllgather]" in text and "rank 0 stopped: Horovod was shut down" in text
+    assert os.listdir(tmp_path / "ckpt") == []

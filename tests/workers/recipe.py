@@ -8,7 +8,8 @@ own data, in one of hvdtrain's forms.
 --data arrays: numpy arrays; tfrecord: DIR/train-*.tfrecord and DIR/test-*.tfrecord (written
 by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord on each host; dataset: a tf.data
 pipeline made per rank and epoch. --kill-at N: rank 1 SIGKILLs itself after global step N;
---stall-at N: it hangs there (its watchdog ends it). --spoil-metrics-folder: the metrics
+--stall-at N: it hangs there (its watchdog ends it). --stall-in-data: rank 1 hangs while
+loading its data, before any collective. --spoil-metrics-folder: the metrics
 JSON's folder becomes a file when training ends (the final write fails).
 """
 
@@ -154,11 +155,25 @@ def main():
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 dies after this step")
     parser.add_argument("--stall-at", type=int, default=0, help="rank 1 hangs after this step")
     parser.add_argument("--spoil-metrics-folder", action="store_true")
+    parser.add_argument("--stall-in-data", action="store_true", help="rank 1 hangs loading")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
     callbacks += [SpoilMetricsFolder(args.metrics_json)] if args.spoil_metrics_folder else []
-    result = hvdtrain.fit(build_model, make_data(args), args, callbacks=callbacks)
+    data = make_data(args)
+    if args.stall_in_data:
+
+        def data_that_never_loads_on_rank_1():  # called by fit on every rank, after init
+            import horovod.tensorflow as hvd
+
+            if hvd.rank() == 1:
+                print("rank 1: stalling while loading the data", flush=True)
+                while True:
+                    time.sleep(3600)
+            return data
+
+        data = data_that_never_loads_on_rank_1
+    result = hvdtrain.fit(build_model, data, args, callbacks=callbacks)
     print(f"rank done: test {result['test']}", file=sys.stderr)
 
 
