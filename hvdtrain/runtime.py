@@ -206,20 +206,24 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
 
 def _name_failures(rank):
     """After an uncaught exception's traceback, prints one line naming this rank (and, with
-    a `WatchdogCallback`, what it was doing): not every launcher tags output with ranks."""
+    a `WatchdogCallback`, what it was doing): not every launcher tags output with ranks.
+    A rank that only failed because another one did (Horovod was shut down) prints the
+    line alone: the traceback that matters is the other rank's."""
     previous = sys.excepthook
     if getattr(previous, "hvdtrain_rank", None) is not None:
         previous.hvdtrain_rank = rank
         return
 
     def hook(kind, value, tb):
-        previous(kind, value, tb)
+        consequence = "Horovod has been shut down" in str(value)
+        if not consequence:
+            previous(kind, value, tb)
         if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
             return
         watchdog = sys.modules.get("hvdtrain.watchdog")
         last = watchdog.last_activity() if watchdog else None
         where = f" (last: {last})" if last else ""
-        if "Horovod has been shut down" in str(value):
+        if consequence:
             text = (
                 "stopped: Horovod was shut down because another rank failed, exited or "
                 "stalled (see its error)"

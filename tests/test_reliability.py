@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 
 import pytest
 from conftest import run_job, worker
@@ -143,3 +144,38 @@ def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
     else:
         assert "1!: [HorovodAllgather]" in text and "rank 0 stopped: Horovod was shut down" in text
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(tmp_path):
+    """A 4 MB tmpfs as --checkpoint-dir, filled when epoch 2 begins: the epoch-2 checkpoint
+    fails on rank 0 with one line; every rank exits non-zero (no hang); epoch 1's
+    checkpoint is intact and still the one a resume takes."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        proc = run_job(
+            2,
+            "gloo",
+            [RECIPE, "--epochs", "3", "--checkpoint-dir", str(disk), "--fill-disk-at-epoch", "2"],
+            check=False,
+        )
+        text = proc.stdout + proc.stderr
+        lines = error_lines(proc)
+        assert proc.returncode != 0 and "rank 0: the disk is full" in text, text[-3000:]
+        assert len(lines) == 1 and f"Could not write checkpoint {disk}/epoch-0002" in lines[0]
+        assert "The previous checkpoints are kept" in lines[0]
+        assert re.search(r"Process 1 exit with status code [1-9]", text), text[-3000:]
+        assert sorted(os.listdir(disk)) == ["epoch-0001", "filler"]
+        (disk / "filler").unlink()
+        again = run_job(2, "gloo", [RECIPE, "--epochs", "1", "--checkpoint-dir", str(disk)])
+        assert "resuming at epoch 2, step 0" in again.stdout + again.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

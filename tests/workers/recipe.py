@@ -10,7 +10,8 @@ by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord on each host; datas
 pipeline made per rank and epoch. --kill-at N: rank 1 SIGKILLs itself after global step N;
 --stall-at N: it hangs there (its watchdog ends it). --stall-in-data: rank 1 hangs while
 loading its data, before any collective. --spoil-metrics-folder: the metrics
-JSON's folder becomes a file when training ends (the final write fails).
+JSON's folder becomes a file when training ends (the final write fails). --fill-disk-at-epoch
+N: rank 0 fills the checkpoint folder's file system when epoch N begins.
 """
 
 import os
@@ -120,6 +121,28 @@ class SpoilMetricsFolder(tf.keras.callbacks.Callback):
                 f.write("not a folder")
 
 
+class FillDisk(tf.keras.callbacks.Callback):
+    """When epoch `epoch` begins, rank 0 fills the checkpoint folder's file system (a small
+    tmpfs in the test) so that the next checkpoint cannot be written."""
+
+    def __init__(self, folder, epoch):
+        super().__init__()
+        self.folder, self.epoch = folder, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import horovod.tensorflow as hvd
+
+        if hvd.rank() != 0 or epoch + 1 != self.epoch:
+            return
+        try:
+            with open(os.path.join(self.folder, "filler"), "wb") as f:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+        except OSError:
+            print("rank 0: the disk is full", flush=True)
+
+
 def make_data(args):
     if args.data == "arrays":
         return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1))
@@ -156,10 +179,13 @@ def main():
     parser.add_argument("--stall-at", type=int, default=0, help="rank 1 hangs after this step")
     parser.add_argument("--spoil-metrics-folder", action="store_true")
     parser.add_argument("--stall-in-data", action="store_true", help="rank 1 hangs loading")
+    parser.add_argument("--fill-disk-at-epoch", type=int, default=0)
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
     callbacks += [SpoilMetricsFolder(args.metrics_json)] if args.spoil_metrics_folder else []
+    if args.fill_disk_at_epoch:
+        callbacks.append(FillDisk(args.checkpoint_dir, args.fill_disk_at_epoch))
     data = make_data(args)
     if args.stall_in_data:
 
