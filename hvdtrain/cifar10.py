@@ -20,8 +20,9 @@ import tarfile
 
 import numpy as np
 
-from hvdtrain import sources, trainer
+from hvdtrain import sources
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "load_cifar10", "build_model"]
@@ -220,9 +221,11 @@ def main(argv=None):
         args = parser.parse_args(argv)
         if args.data_dir and not os.path.isdir(args.data_dir):
             raise invalid_value("--data-dir", args.data_dir, "an existing folder")
-        return trainer.fit(lambda: _compiled(args.model, args.lr), _load(args), args, prog=PROG)
+        from hvdtrain.trainer import fit  # TensorFlow loads here, once the flags are good
 
-    trainer.main(run, argv, PROG)
+        return fit(lambda: _compiled(args.model, args.lr), _load(args), args, prog=PROG)
+
+    cli_main(run, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import atexit
 import os
 import sys
+import time
 
 __all__ = [
     "HvdtrainError",
@@ -13,6 +14,7 @@ __all__ = [
     "env_rank",
     "exit_with_error",
     "report_uncaught",
+    "main",
 ]
 
 # Everything `str.splitlines` breaks a line on, written as its escape instead.
@@ -82,7 +84,23 @@ def exit_with_error(prog, error, code=None):
         # two writes reach mpirun --tag-output as two tagged pieces.
         sys.stderr.write(f"{prog}{where}: error: {error}\n")
         sys.stderr.flush()
+    elif _env_size() > 1:
+        # The others leave the printing to rank 0, and give it time to: mpirun and
+        # horovodrun end the whole job as soon as one rank exits non-zero, which could
+        # kill rank 0 before its line is out (seen on a loaded machine).
+        time.sleep(_QUIET_RANK_GRACE)
     sys.exit(code)
+
+
+_QUIET_RANK_GRACE = 3.0  # seconds
+
+
+def _env_size():
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 def report_uncaught():
@@ -108,3 +126,15 @@ def report_uncaught():
 
     hook.hvdtrain_errors = True
     sys.excepthook = hook
+
+
+def main(run, argv=None, prog=None):
+    """The CLI edge of an entry point: `run(argv)`; a user error prints one line and exits
+    with its status (2), Ctrl-C exits 130. No TensorFlow here: an entry point that imports
+    its training code inside `run` rejects a bad flag before TensorFlow loads."""
+    try:
+        return run(argv)
+    except HvdtrainError as e:
+        exit_with_error(prog or os.path.basename(sys.argv[0] or "hvdtrain"), e)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from hvdtrain import trainer
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "list_images", "build_model"]
@@ -131,11 +131,11 @@ def main(argv=None):
             x, y, test, train_map=_augment, eval_map=_decode, source="data-dir",
             notice=f"{len(classes)} classes from {args.data_dir}; {where}",
         )  # fmt: skip
-        return trainer.fit(
-            lambda: _compiled(len(classes), args.weights, args.lr), data, args, prog=PROG
-        )
+        from hvdtrain.trainer import fit
 
-    trainer.main(run, argv, PROG)
+        return fit(lambda: _compiled(len(classes), args.weights, args.lr), data, args, prog=PROG)
+
+    cli_main(run, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ complete checkpoint.
 
 import os
 
-from hvdtrain import mnist_data, sources, trainer
+from hvdtrain import mnist_data, sources
 from hvdtrain.errors import invalid_value
+from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "parse_args", "train", "build_model"]
@@ -76,6 +77,7 @@ def build_model(name="convnet", lr=1e-3):
 def train(args):
     """Trains as `args` says; returns the metrics dict (rank 0 also writes it)."""
     from hvdtrain.data import ArrayData
+    from hvdtrain.trainer import fit  # TensorFlow loads here, once the flags are good
 
     def load():  # on every rank after hvdtrain.init(): the ranks agree on the source
         source = sources.choose_source(
@@ -84,12 +86,12 @@ def train(args):
         (x, y), test = mnist_data.load_mnist(source, args.data_dir)
         return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
-    return trainer.fit(lambda: build_model(args.model, args.lr), load, args, prog=PROG)
+    return fit(lambda: build_model(args.model, args.lr), load, args, prog=PROG)
 
 
 def main(argv=None):
     """`python -m hvdtrain.mnist`: parse, train, report; user errors exit 2 in one line."""
-    trainer.main(lambda argv: train(parse_args(argv)), argv, PROG)
+    cli_main(lambda argv: train(parse_args(argv)), argv, PROG)
 
 
 if __name__ == "__main__":

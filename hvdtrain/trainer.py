@@ -45,8 +45,8 @@ from hvdtrain.errors import (
     HvdtrainError,
     OutputsNotWritten,
     TrainingDiverged,
-    exit_with_error,
     invalid_value,
+    main,
 )
 from hvdtrain.flags import make_config
 from hvdtrain.logs import get_logger
@@ -521,16 +521,6 @@ class Run:
             out["wall_seconds"],
         )
         return out
-
-
-def main(run, argv=None, prog=None):
-    """The CLI edge of an entry point: `run(argv)`; a user error prints one line, exit 2."""
-    try:
-        return run(argv)
-    except HvdtrainError as e:
-        exit_with_error(prog or os.path.basename(sys.argv[0] or "hvdtrain"), e)
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 # -- helpers ---------------------------------------------------------------------------
