@@ -7,6 +7,8 @@ import os
 import socket
 import sys
 
+from hvdtrain.errors import one_line
+
 __all__ = ["keras_datasets_dir", "choose_source"]
 
 
@@ -46,7 +48,8 @@ def choose_source(data_dir, cache_path, download, fallback, prog):
         try:
             download()
         except Exception as e:  # offline, refused, damaged: fall back below
-            reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            # The whole reason, on one line (Keras wraps the URL error in a long message).
+            reason = one_line(" ".join(str(e).split())) if str(e).strip() else type(e).__name__
             print(f"{prog}: download failed ({reason}); using {fallback}", file=sys.stderr)
             ok = False
         finally:

@@ -117,3 +117,22 @@ def test_metrics_json_is_valid_json_whatever_the_numbers(tmp_path):
 
     assert json.loads(open(path).read(), parse_constant=refuse) == {"loss": [1.0, None], "x": None}
     assert os.listdir(tmp_path / "sub") == ["m.json"]
+
+
+def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, monkeypatch):
+    """One process (Horovod of size 1): the download raises as Keras does offline; the
+    fallback is used and the reason is shown whole, one line."""
+    import hvdtrain
+    from hvdtrain.sources import choose_source
+
+    monkeypatch.delenv("HVDTRAIN_OFFLINE", raising=False)
+    hvdtrain.init(threads=1)
+    reason = "URL fetch failure on https://example.org/mnist.npz: None -- " + "x" * 200
+
+    def download():
+        raise Exception(f"{reason}\n  [Errno -3] Temporary failure in name resolution")
+
+    assert choose_source(None, str(tmp_path / "none.npz"), download, "embedded", "p") == "embedded"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"p: download failed ({reason}")
+    assert err[0].endswith("[Errno -3] Temporary failure in name resolution); using embedded")
