@@ -192,9 +192,11 @@ class Run:
         self.place = p
         self.log = get_logger(p.rank)  # after an elastic reset rank 0 may be another worker
         first = self.data is None
-        if first:  # a bad output path fails now, on every rank, not after the training
-            watchdog.holding("set-up: checking the output paths")
-            runtime.agree(self._check_outputs, root_only=True)
+        # A bad output path fails now, on every rank, not after the training. At every
+        # start, like everything here: an elastic worker that joins must run the same
+        # collectives as the others.
+        watchdog.holding("set-up: checking the output paths")
+        runtime.agree(self._check_outputs, root_only=True)
         watchdog.holding("set-up: preparing the data (loading, counting, agreeing)")
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
