@@ -108,24 +108,20 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
     `MetricAverageCallback` and before `CheckpointCallback`.
     """
 
-    def __init__(self, steps_per_epoch, start_step=0, lr=None):
+    def __init__(self, steps_per_epoch, lr=None):
         super().__init__()
-        self.steps_per_epoch, self.start_step, self.lr = steps_per_epoch, start_step, lr
-        self._first = self._offset = 0
+        self.steps_per_epoch, self.lr = steps_per_epoch, lr
         self._probe = None
 
     def on_train_begin(self, logs=None):
         variables = self.model.trainable_variables
         self._probe = variables[-1] if variables else None
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._first = epoch * self.steps_per_epoch
-        self._offset = max(0, self.start_step - self._first)
-
     def on_train_batch_end(self, batch, logs=None):
         if self._probe is not None and not np.isfinite(self._probe.numpy()).all():
-            epoch = self._first // self.steps_per_epoch
-            self._stop(f"the weights at epoch {epoch + 1}, step {self._offset + batch + 1}")
+            # The optimizer's step is the global one, resumed runs included.
+            epoch, step = divmod(int(self.model.optimizer.iterations) - 1, self.steps_per_epoch)
+            self._stop(f"the weights at epoch {epoch + 1}, step {step + 1}")
 
     def on_epoch_end(self, epoch, logs=None):
         loss = (logs or {}).get("loss")

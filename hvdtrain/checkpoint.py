@@ -36,6 +36,7 @@ import time
 
 import tensorflow as tf
 
+from hvdtrain import files
 from hvdtrain.errors import HvdtrainError
 
 __all__ = ["CheckpointManager", "Manifest", "FORMAT", "model_fingerprint"]
@@ -174,17 +175,7 @@ class CheckpointManager:
     def check_writable(self):
         """Creates the directory and proves it is writable, or raises a clear error."""
         d = self.directory
-        try:
-            os.makedirs(d, exist_ok=True)
-            probe = os.path.join(d, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as e:
-            raise HvdtrainError(
-                f"Invalid value for `--checkpoint-dir`: received {d!r}; expected a writable "
-                f"directory ({e.strerror or e}). Choose another path or fix its permissions."
-            ) from None
+        files.check_writable(d, "--checkpoint-dir", folder=True)
         for name in os.listdir(d):  # leftovers of writes that a crash interrupted
             if name.startswith(".epoch-") and ".tmp" in name:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)

@@ -54,9 +54,9 @@ def check_writable(path, flag, folder=False):
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        what = "a folder" if folder else "a file"
+        what = "a writable directory" if folder else "a file hvdtrain can write"
         raise invalid_value(
-            flag, path, f"{what} hvdtrain can write ({e.strerror or e}); choose another path"
+            flag, path, f"{what} ({e.strerror or e}); choose another path or fix its permissions"
         ) from None
 
 

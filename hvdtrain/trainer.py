@@ -46,12 +46,11 @@ from hvdtrain.errors import (
     OutputsNotWritten,
     TrainingDiverged,
     invalid_value,
-    main,
 )
 from hvdtrain.flags import make_config
 from hvdtrain.logs import get_logger
 
-__all__ = ["fit", "resume_step", "main"]
+__all__ = ["fit", "resume_step"]
 
 
 def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
@@ -240,8 +239,7 @@ class Run:
         import horovod.tensorflow as hvd
 
         def latest():
-            self.manager.check_writable()
-            found = self.manager.latest()
+            found = self.manager.latest()  # the folder was checked by `_check_outputs`
             if found is None and self.cfg.require_resume:
                 raise HvdtrainError(
                     f"nothing to resume from in --checkpoint-dir {self.manager.directory}: "
@@ -305,7 +303,7 @@ class Run:
                 evaluate_fn=self.evaluate if self.data.has_test else None
             ),
             # Every rank stops together on a NaN or infinite loss, before any checkpoint.
-            cb.DivergenceCallback(steps, self.start_step, self.lr_base()),
+            cb.DivergenceCallback(steps, self.lr_base()),
             self.throughput,
             *self.user_callbacks,
             *state_callbacks,
