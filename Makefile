@@ -17,7 +17,7 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test train test lint clean
+.PHONY: setup setup-test train test lint clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
@@ -34,6 +34,15 @@ lint: setup
 
 test: setup-test lint
 	python -m pytest
+
+# The images (Dockerfile): CPU on a debootstrapped Debian 12 (root and debootstrap, or
+# BASE_IMAGE=debian:bookworm-slim from a registry), GPU on CUDA 12.5. BUILD_CA=/path/ca.crt:
+# a CA the build trusts (a TLS-inspecting proxy), never kept in the image.
+image:
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) BUILD_CA=$(BUILD_CA) launch/docker_image.sh cpu
+
+image-gpu:
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) BUILD_CA=$(BUILD_CA) launch/docker_image.sh gpu
 
 clean:
 	rm -rf $(OUT) .pytest_cache

@@ -3,8 +3,9 @@
 # second run only checks).
 #
 #   launch/setup_host.sh                    # what `make train` runs first (into ./.venv)
-#   launch/setup_host.sh --test             # what `make test` runs: also sshd, iproute2, SLURM
-#                                           # and munge (multi-host and SLURM tests; root only)
+#   launch/setup_host.sh --test             # what `make test` runs: also sshd, iproute2, SLURM,
+#                                           # munge, docker.io and debootstrap (multi-host, SLURM
+#                                           # and image tests; root only)
 #   PYTHON=python3.12 launch/setup_host.sh  # this interpreter rather than the newest fitting one
 #   TF_VERSION=2.15.1 HVDTRAIN_VENV=.venv-tf2.15.1 launch/setup_host.sh   # the 2023 stack
 #
@@ -53,6 +54,8 @@ if [ "${1:-}" = --test ]; then
   command -v ip >/dev/null || need+=(iproute2)
   command -v slurmctld >/dev/null || need+=(slurm-wlm)
   command -v munged >/dev/null || need+=(munge)
+  command -v dockerd >/dev/null || need+=(docker.io)  # the image tests (own daemon, own data root)
+  command -v debootstrap >/dev/null || need+=(debootstrap)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && [ "${1:-}" = --test ] && command -v mpicc >/dev/null \

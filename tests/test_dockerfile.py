@@ -1,4 +1,5 @@
-"""The GPU image's Dockerfile (linted and read, not built) and the Horovod build script it uses."""
+"""The Dockerfile read and linted (both images; tests/test_docker_image.py builds the CPU one), and
+the Horovod build script it shares with the host set-up."""
 
 import importlib.util
 import os
@@ -83,12 +84,14 @@ def test_versions_are_args_that_match_the_host_pins():
     assert "HOROVOD_VERSION=0.28.1" in read("launch", "install_horovod.sh")
     assert "horovod-0.28.1.patch" in " ".join(v for k, v in instructions() if k == "COPY")
     assert args["PYTHON_VERSION"] == "3.12"
-    # The CUDA base is an ARG too (declared before FROM): CUDA 12.5, what TensorFlow 2.21's pip
-    # CUDA libraries are, on Ubuntu 24.04 (Python 3.12).
-    assert ("FROM", "nvidia/cuda:${CUDA_IMAGE_TAG}") in instructions()
-    base = re.search(r"^ARG CUDA_IMAGE_TAG=(\S+)", read("Dockerfile"), flags=re.MULTILINE)
-    assert base and re.fullmatch(r"12\.5\.\d+-devel-ubuntu24\.04", base.group(1))
-    assert any('"tensorflow[and-cuda]==${TENSORFLOW_VERSION}"' in run for run in runs())
+    # The base is an ARG (declared before FROM), the GPU one by default: CUDA 12.5, what
+    # TensorFlow 2.21's pip CUDA libraries are, on Ubuntu 24.04 (Python 3.12).
+    froms = [value for keyword, value in instructions() if keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", read("Dockerfile"), flags=re.MULTILINE)
+    assert base and re.fullmatch(r"nvidia/cuda:12\.5\.\d+-devel-ubuntu24\.04", base.group(1))
+    assert args["TENSORFLOW_PACKAGE"] == "tensorflow[and-cuda]"
+    assert any('"${TENSORFLOW_PACKAGE}==${TENSORFLOW_VERSION}"' in run for run in runs())
     assert any('"tf-keras==${TENSORFLOW_VERSION}"' in run and "--no-deps" in run for run in runs())
     # Keras 2 in every process of the image, ssh sessions included.
     assert ("ENV", "TF_USE_LEGACY_KERAS=1") in instructions()
@@ -99,13 +102,38 @@ def test_horovod_is_built_by_the_host_script_with_nccl_and_checked():
     assert "launch/install_horovod.sh" in read("launch", "setup_host.sh")
     build = [run for run in runs() if "launch/install_horovod.sh" in run]
     assert len(build) == 1
-    # On the same command line as the script, so that the variable reaches pip's build.
-    assert "HOROVOD_GPU_OPERATIONS=NCCL" in build[0]
+    # NCCL by default (the GPU image), on the same command line as the script, so that the
+    # variable reaches pip's build.
+    assert stage_args()["HOROVOD_GPU_OPERATIONS"] == "NCCL"
+    assert 'HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS"' in build[0]
     assert any("horovodrun --check-build" in run for run in runs())
     # Against pip's NCCL, the one TensorFlow loads: one NCCL per rank.
     assert "HOROVOD_NCCL_HOME=" in build[0] and "HOROVOD_NCCL_LINK=SHARED" in build[0]
     # hvdtrain without dependencies, beside the CUDA build of TensorFlow.
-    assert any("pip install --no-cache-dir --no-deps /opt/hvdtrain" in run for run in runs())
+    assert any("pip install --no-cache-dir --no-deps --no-build-isolation" in run for run in runs())
+
+
+def test_the_cpu_image_differs_only_in_base_python_tensorflow_and_nccl():
+    script = read("launch", "docker_image.sh")
+    cpu = re.search(r"^  cpu\).*?;;", script, flags=re.MULTILINE | re.DOTALL).group(0)
+    given = set(re.findall(r"--build-arg (?:\")?(\w+)=", cpu))
+    assert given == {"BASE_IMAGE", "PYTHON_VERSION", "TENSORFLOW_PACKAGE", "HOROVOD_GPU_OPERATIONS"}
+    assert "PYTHON_VERSION=3.11" in cpu and "hvdtrain/debian:bookworm" in cpu  # Debian 12's Python
+    assert "TENSORFLOW_PACKAGE=tensorflow-cpu" in cpu and "HOROVOD_GPU_OPERATIONS=" in cpu
+
+
+def test_editing_hvdtrain_rebuilds_only_the_last_layers_and_the_build_ca_stays_behind():
+    steps = instructions()
+    final = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    copies = [(i, value) for i, (keyword, value) in enumerate(steps) if keyword == "COPY"]
+    source = min(i for i, value in copies if value.startswith("hvdtrain "))
+    heavy = [i for i, (k, v) in enumerate(steps) if k == "RUN" and "install_horovod.sh" in v]
+    heavy += [i for i, v in copies if v.startswith("--from=build")]
+    assert heavy and max(heavy) < source
+    # The final stage copies named sources only: never the build context whole (its CA).
+    assert not [v for i, v in copies if i > final and v.split()[0] in (".", "launch", "launch/")]
+    assert [v for i, v in copies if "docker-ca" in v and i < final]
+    assert "launch/docker-ca/*.crt" not in read(".dockerignore")
 
 
 def test_default_user_is_not_root():

@@ -1,0 +1,251 @@
+"""The CPU image, built and run for real: one container, two containers as two hosts, and what
+the image holds.
+
+A private Docker daemon (`dockerd --iptables=false --bridge=none`, no networking of its own) is
+started for this module and stopped by its pid. Its layers are kept in ~/.cache/hvdtrain/docker,
+so a second run rebuilds nothing (a cold build: about 10 minutes here). The base image is
+debootstrapped (launch/docker_base.sh): no image registry is needed. Needs root, Debian's
+docker.io and debootstrap (`launch/setup_host.sh --test` installs them as root); otherwise the
+module is skipped with that one line.
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+from conftest import ROOT, job_env
+
+pytestmark = pytest.mark.timeout(2400)  # a cold build (Horovod from source) is part of the first
+
+DATA_ROOT = os.path.expanduser("~/.cache/hvdtrain/docker")
+IMAGE = "hvdtrain:cpu"
+NETWORK, SUBNET = "hvdtrain-test", "10.232.7.0/24"
+RUN_TIMEOUT = 420
+# A lost host must end the job within this (README, "Fault tolerance").
+FAIL_FAST_SECONDS = 90
+
+
+def cannot_run_docker():
+    """Why this machine cannot run a Docker daemon for the tests, or None."""
+    if os.geteuid() != 0:
+        return "Docker's daemon needs root here"
+    for tool, package in (("dockerd", "docker.io"), ("docker", "docker.io"), ("debootstrap",) * 2):
+        if not shutil.which(tool):
+            hint = f"apt-get install {package}, or launch/setup_host.sh --test as root"
+            return f"`{tool}` is not installed ({hint})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def docker(tmp_path_factory):
+    """The docker command (argv) of a daemon started for this module."""
+    reason = cannot_run_docker()
+    if reason:
+        pytest.skip(reason)
+    run = tmp_path_factory.mktemp("dockerd")
+    sock = f"unix://{run}/docker.sock"
+    os.makedirs(DATA_ROOT, exist_ok=True)
+    with open(run / "dockerd.log", "w") as log:
+        daemon = subprocess.Popen(
+            ["dockerd", "--iptables=false", "--bridge=none", "--data-root", DATA_ROOT,
+             "--exec-root", str(run / "exec"), "--pidfile", str(run / "dockerd.pid"),
+             "--host", sock],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    cmd = ["docker", "-H", sock]
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run([*cmd, "version"], capture_output=True).returncode != 0:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("dockerd did not start:\n" + (run / "dockerd.log").read_text()[-3000:])
+            time.sleep(0.5)  # polling the daemon's socket until it answers
+        yield cmd
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+
+
+def sh(argv, timeout=RUN_TIMEOUT, check=True, **kwargs):
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        pytest.fail(f"{argv} exited {proc.returncode}\n{output}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def image(docker):
+    """The CPU image, built by the Makefile's script (cached layers: seconds; cold: minutes)."""
+    env = dict(os.environ, DOCKER=" ".join(docker), IMAGE=IMAGE)
+    ca = os.environ.get("SSL_CERT_FILE")
+    if ca and os.path.isfile(ca):
+        env["BUILD_CA"] = ca  # this machine reaches PyPI through its own CA: the build stage only
+    sh([os.path.join(ROOT, "launch", "docker_image.sh"), "cpu"], timeout=2200, env=env)
+    return IMAGE
+
+
+def writable_folder(path):
+    path.mkdir()
+    os.chmod(path, 0o777)  # the image's user (uid 1000) writes there
+    return path
+
+
+def test_one_container_trains_as_the_non_root_user_and_the_export_loads(docker, image, tmp_path):
+    out = writable_folder(tmp_path / "out")
+    proc = sh([
+        *docker, "run", "--rm", "--network", "none", "-v", f"{out}:/out", image, "bash", "-c",
+        "id -u && horovodrun -np 2 -H localhost:2 python -m hvdtrain.mnist --epochs 1"
+        " --checkpoint-dir /out/ckpt --metrics-json /out/metrics.json",
+    ])  # fmt: skip
+    assert proc.stdout.splitlines()[0] == "1000", proc.stdout[:500]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["size"] == 2
+    assert len({r["weights_digest"] for r in metrics["ranks"]}) == 1
+    assert (out / "ckpt" / "model.keras").stat().st_uid == 1000
+    code = (
+        "import sys, numpy as np, tensorflow as tf;"
+        f"m = tf.keras.models.load_model({str(out / 'ckpt' / 'model.keras')!r});"
+        "print(m.predict(np.zeros((2, 28, 28, 1)), verbose=0).shape, 'horovod' in sys.modules)"
+    )
+    loaded = sh([sys.executable, "-c", code], timeout=120, env=job_env(TF_USE_LEGACY_KERAS="1"))
+    assert loaded.stdout.split() == ["(2,", "10)", "False"], loaded.stderr[-2000:]
+
+
+@pytest.fixture
+def two_hosts(docker, image, tmp_path):
+    """Two containers on a user-defined network, each running the image's sshd (port 2222) with
+    a key pair mounted at run time; yields (names, {name: its /out folder on this machine})."""
+    keys = tmp_path / "ssh"
+    keys.mkdir()
+    sh(["ssh-keygen", "-q", "-t", "rsa", "-b", "2048", "-N", "", "-f", str(keys / "id_rsa")])
+    shutil.copy(keys / "id_rsa.pub", keys / "authorized_keys")
+    for path in [keys, *keys.iterdir()]:
+        os.chown(path, 1000, 1000)
+    names = ["hvdtrain-test-a", "hvdtrain-test-b"]
+    outs = {name: writable_folder(tmp_path / name) for name in names}
+    sh([*docker, "network", "rm", NETWORK], check=False)
+    sh([*docker, "rm", "-f", *names], check=False)
+    sh([*docker, "network", "create", "--subnet", SUBNET, NETWORK])
+    try:
+        for name in names:
+            sh([
+                *docker, "run", "-d", "--name", name, "--hostname", name, "--network", NETWORK,
+                "-v", f"{keys}:/home/hvd/.ssh:ro", "-v", f"{outs[name]}:/out", image,
+                "/usr/sbin/sshd", "-De", "-f", "/home/hvd/.sshd_config",
+            ])  # fmt: skip
+        hostfile = outs[names[0]] / "hosts.txt"
+        hostfile.write_text("".join(f"{name} slots=1\n" for name in names))
+        yield names, outs
+    finally:
+        sh([*docker, "rm", "-f", *names], check=False)
+        sh([*docker, "network", "rm", NETWORK], check=False)
+
+
+def launch(docker, first, *args):
+    """hvdtrain-run in the first container, with the hostfile naming both (one rank each)."""
+    return [
+        *docker, "exec", first, "hvdtrain-run", "-np", "2", "--hostfile", "/out/hosts.txt",
+        "--", "python", "-m", "hvdtrain.mnist", "--checkpoint-dir", "/out/ckpt",
+        "--metrics-json", "/out/metrics.json", *args,
+    ]  # fmt: skip
+
+
+def test_two_containers_train_as_two_hosts(docker, two_hosts):
+    names, outs = two_hosts
+    proc = sh(launch(docker, names[0], "--epochs", "1"))
+    metrics = json.loads((outs[names[0]] / "metrics.json").read_text())
+    assert metrics["status"] == "finished", proc.stdout[-2000:]
+    assert sorted(r["hostname"] for r in metrics["ranks"]) == names
+    assert len({r["weights_digest"] for r in metrics["ranks"]}) == 1
+    # Rank 0 alone writes: nothing in the second host's folder.
+    assert os.listdir(outs[names[1]]) == []
+
+
+def test_a_killed_container_ends_the_job_on_the_other_naming_the_lost_host(docker, two_hosts):
+    names, outs = two_hosts
+    job = subprocess.Popen(
+        launch(docker, names[0], "--epochs", "30"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        first = outs[names[0]] / "ckpt" / "epoch-0001"
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not first.exists():  # mid-run: after the first checkpoint
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within the bound"
+            time.sleep(0.2)
+        sh([*docker, "kill", names[1]])
+        killed = time.monotonic()
+        out, err = job.communicate(timeout=FAIL_FAST_SECONDS + 60)
+        took = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0, out[-2000:]
+    assert took < FAIL_FAST_SECONDS, f"the job ended {took:.0f} s after the kill"
+    lines = [line for line in err.splitlines() if line.startswith("hvdtrain-run:")]
+    assert lines and names[1] in lines[-1], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    # Nothing runs on: the surviving container has no rank left.
+    ps = sh([*docker, "exec", names[0], "ps", "-eo", "args"], check=False)
+    assert "hvdtrain.mnist" not in ps.stdout, ps.stdout
+
+
+# A PEM private key: the header and a line of base64 (binaries hold the header text alone).
+PEM_KEY = re.compile(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----\r?\n[A-Za-z0-9+/=]{40,}")
+
+
+def _layer_files(saved):
+    """(path, data) for every regular file of every layer of a `docker save` tar."""
+    with tarfile.open(saved) as outer:
+        manifest = json.load(outer.extractfile("manifest.json"))
+        for layer in manifest[0]["Layers"]:
+            with tarfile.open(fileobj=outer.extractfile(layer)) as inner:
+                for member in inner:
+                    if member.isfile():
+                        yield member.name, inner.extractfile(member).read()
+
+
+def _machine_cas():
+    """The first base64 line of each certificate authority this machine added to its own."""
+    found = []
+    for path in glob.glob("/usr/local/share/ca-certificates/**/*.crt", recursive=True):
+        lines = open(path, "rb").read().splitlines()
+        body = [line for line in lines if line and not line.startswith(b"-----")]
+        if body:
+            found.append((path, body[0]))
+    return found
+
+
+def test_the_image_holds_no_key_no_build_ca_and_runs_as_uid_1000(docker, image, tmp_path):
+    config = json.loads(sh([*docker, "image", "inspect", image]).stdout)[0]["Config"]
+    assert config["User"] == "1000:1000"
+    assert not [e for e in config["Env"] if e.startswith(("PIP_CERT=", "SSL_CERT"))]
+    history = sh([*docker, "history", "--no-trunc", "--format", "{{.CreatedBy}}", image]).stdout
+    assert "hvdtrain-build" not in history and "BEGIN" not in history
+    saved = tmp_path / "image.tar"
+    sh([*docker, "save", "-o", str(saved), image], timeout=600)
+    cas = _machine_cas()
+    keys, found_cas, names = [], [], []
+    for name, data in _layer_files(saved):
+        if PEM_KEY.search(data) and not data.startswith(b"\x7fELF"):  # libgnutls: self-tests
+            keys.append(name)
+        found_cas += [(name, path) for path, line in cas if line in data]
+        if "hvdtrain-build" in name or name.startswith("etc/ssh/ssh_host_"):
+            names.append(name)
+    assert keys == [] and names == [] and found_cas == [], (keys, names, found_cas)
+    doctor = sh([*docker, "run", "--rm", "--network", "host", image, "hvdtrain-run", "doctor"])
+    assert "doctor: ok" in doctor.stdout, doctor.stdout + doctor.stderr
