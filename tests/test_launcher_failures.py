@@ -75,6 +75,15 @@ def test_gloo_names_the_dead_rank_and_drops_horovodruns_traceback():
     )
 
 
+def test_gloo_rank_whose_ssh_session_ended_is_a_lost_host():
+    # Captured from two containers as two hosts, the second killed (tests/test_docker_image.py).
+    failure = find_failure(GLOO.replace("137", "255").splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 255)
+    assert explain(failure, HOSTS).startswith(
+        "rank 1 on host node2 was lost first: exit status 255, ssh's when its connection ends"
+    )
+
+
 def test_mpirun_signal_exit_status_and_lost_host():
     failure = find_failure(MPI_SIGNAL.splitlines(), HOSTS)
     assert (failure.rank, failure.host, failure.signal, failure.exit_code) == (2, "node2", 9, 137)

@@ -27,6 +27,8 @@ EXIT_CODES = {
     3: "training diverged",
     4: "training finished but an output was not written",
 }
+# horovodrun's status for a rank whose ssh session ended with the host (killed, unplugged).
+SSH_LOST = 255
 _GLOO_ERROR = "RuntimeError: Horovod detected that one or more processes exited with non-zero"
 _NAME = re.compile(r"Process name:\s*(?:\[\[\d+,\d+\],(\d+)\]|(\d+))")
 _CODE = re.compile(r"Exit code:\s*(-?\d+)")
@@ -126,7 +128,13 @@ def explain(failure, hosts=()):
         )
     who = f"rank {failure.rank}" + (f" on host {failure.host}" if failure.host else "")
     code = failure.exit_code
-    if code and code > 128:
+    if code == SSH_LOST:
+        return (
+            f"{who} was lost first: exit status 255, ssh's when its connection ends (the host "
+            "went down, its network did, or its sshd stopped); the job was ended. "
+            "`hvdtrain-run doctor` checks the hosts before a new launch."
+        )
+    if code and 128 < code <= 128 + 64:
         try:
             name = f" ({signal.Signals(code - 128).name})"
         except ValueError:
