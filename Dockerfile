@@ -120,6 +120,9 @@ ENV VIRTUAL_ENV=/opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # Keras 2 for tf.keras in every process of the image (Horovod has no Keras 3 path).
 ENV TF_USE_LEGACY_KERAS=1
+# The embedded MNIST digits, as `make train` (no download attempt from a compute node);
+# `-e HVDTRAIN_OFFLINE=0` downloads the full MNIST.
+ENV HVDTRAIN_OFFLINE=1
 # Horovod's library finds pip's NCCL at run time even when TensorFlow has not loaded it first
 # (the CPU image has no such folder).
 ENV LD_LIBRARY_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/nccl/lib
@@ -139,7 +142,7 @@ RUN printf '%s\n' 'Host *' '    StrictHostKeyChecking no' '    UserKnownHostsFil
     && install -d -m 700 -o hvd -g hvd /home/hvd/.ssh \
     && printf '%s\n' "Port ${SSH_PORT}" 'HostKey /home/hvd/.ssh/id_rsa' 'PidFile /home/hvd/sshd.pid' \
         'StrictModes no' \
-        "SetEnv PATH=${PATH} TF_USE_LEGACY_KERAS=1 LD_LIBRARY_PATH=${LD_LIBRARY_PATH} OMPI_MCA_btl_vader_single_copy_mechanism=none" \
+        "SetEnv PATH=${PATH} TF_USE_LEGACY_KERAS=1 HVDTRAIN_OFFLINE=${HVDTRAIN_OFFLINE} LD_LIBRARY_PATH=${LD_LIBRARY_PATH} OMPI_MCA_btl_vader_single_copy_mechanism=none" \
         >/home/hvd/.sshd_config
 
 # hvdtrain itself, last, so that editing it rebuilds only this layer: no network, no compiler.
