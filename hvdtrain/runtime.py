@@ -204,6 +204,23 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     return index
 
 
+# An error that says another rank (or its host) went away: Horovod's own shutdown, or the
+# transport's connection to a peer breaking (Gloo's TCP pair, Open MPI's TCP transport).
+_PEER_LOST = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|pair\.cc:\d+\] (?:Read|Write) error"
+)
+
+
+def _because_of_another_rank(text):
+    """What an error's `text` says happened if this rank only failed because another rank
+    did (a phrase for the one line it prints), else None."""
+    if "Horovod has been shut down" in text:
+        return "Horovod was shut down"
+    if _PEER_LOST.search(text):
+        return "the connection to another rank broke"
+    return None
+
+
 def _name_failures(rank):
     """After an uncaught exception's traceback, prints one line naming this rank (and, with
     a `WatchdogCallback`, what it was doing): not every launcher tags output with ranks.
@@ -215,7 +232,7 @@ def _name_failures(rank):
         return
 
     def hook(kind, value, tb):
-        consequence = "Horovod has been shut down" in str(value)
+        consequence = _because_of_another_rank(str(value))
         if not consequence:
             previous(kind, value, tb)
         if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
@@ -225,8 +242,8 @@ def _name_failures(rank):
         where = f" (last: {last})" if last else ""
         if consequence:
             text = (
-                "stopped: Horovod was shut down because another rank failed, exited or "
-                "stalled (see its error)"
+                f"stopped: {consequence} because another rank failed, exited or stalled, "
+                "or its host was lost (see its error)"
             )
         else:
             first = next((line for line in str(value).splitlines() if line.strip()), "")

@@ -136,3 +136,22 @@ def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"p: download failed ({reason}")
     assert err[0].endswith("[Errno -3] Temporary failure in name resolution); using embedded")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Horovod has been shut down. This was caused by ...", "Horovod was shut down"),
+        # The survivor of a killed container (tests/test_docker_image.py), Gloo's TCP pair.
+        (
+            "Graph execution error:\n[/tmp/horovod-0.28.1/third_party/compatible17_gloo/gloo/"
+            "transport/tcp/pair.cc:589] Read error [10.232.7.3]:35227: Connection reset by peer",
+            "the connection to another rank broke",
+        ),
+        ("ValueError: my own mistake in the model", None),
+    ],
+)
+def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expected):
+    from hvdtrain.runtime import _because_of_another_rank
+
+    assert _because_of_another_rank(text) == expected
