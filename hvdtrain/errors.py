@@ -9,6 +9,7 @@ __all__ = [
     "HvdtrainError",
     "TrainingDiverged",
     "OutputsNotWritten",
+    "HostUnreachable",
     "invalid_value",
     "one_line",
     "env_rank",
@@ -56,6 +57,13 @@ class OutputsNotWritten(HvdtrainError):
     was and what was not written). Exit status 4."""
 
     exit_code = 4
+
+
+class HostUnreachable(HvdtrainError):
+    """`hvdtrain-run` found a host it cannot reach over ssh before launching: nothing was
+    started. Exit status 5."""
+
+    exit_code = 5
 
 
 def invalid_value(name, received, expected):

@@ -75,6 +75,11 @@ def docker(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
+        # The daemon leaves its network namespace mounted under its exec root.
+        with open("/proc/mounts") as mounts:
+            points = [line.split()[1] for line in mounts if f" {run}/" in line]
+        for point in reversed(points):
+            subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 def sh(argv, timeout=RUN_TIMEOUT, check=True, **kwargs):
@@ -202,6 +207,11 @@ def test_a_killed_container_ends_the_job_on_the_other_naming_the_lost_host(docke
     # Nothing runs on: the surviving container has no rank left.
     ps = sh([*docker, "exec", names[0], "ps", "-eo", "args"], check=False)
     assert "hvdtrain.mnist" not in ps.stdout, ps.stdout
+    # Launching again while the host is down: one line naming it, before anything starts.
+    again = sh(launch(docker, names[0], "--epochs", "30"), timeout=60, check=False)
+    assert again.returncode == 5, again.stderr[-3000:]
+    assert f"error: cannot reach {names[1]} (rank 1)" in again.stderr.splitlines()[-1]
+    assert "Traceback" not in again.stderr
 
 
 # A PEM private key: the header and a line of base64 (binaries hold the header text alone).

@@ -265,6 +265,17 @@ def test_missing_launcher_program_is_one_line(tmp_path):
     assert "srun not found" in one_line_error(run("true", env=env))
 
 
+def test_an_unreachable_host_is_one_line_before_anything_starts():
+    """Every other host must answer `ssh host true` first: one line naming the host and its
+    ranks, exit 5, nothing launched (horovodrun would print a traceback, mpirun a page)."""
+    for backend in ("gloo", "mpi"):
+        proc = run("-H", "localhost:1,nosuchhost.invalid:2", "--backend", backend, "true")
+        assert proc.returncode == 5, (proc.returncode, proc.stderr)
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("hvdtrain-run: error: cannot reach nosuchhost.invalid (ranks 1, 2):")
+        assert "nothing was started" in line and "Could not resolve hostname" in line, line
+
+
 # The scripts in launch/.
 
 

@@ -47,7 +47,7 @@ import socket
 import subprocess
 import sys
 
-from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.errors import HostUnreachable, HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.flags import ArgumentParser
 from hvdtrain.launcher import doctor, elastic, failures, kubernetes
 from hvdtrain.launcher.commands import (
@@ -384,10 +384,32 @@ def _launch(args):
     if args.dry_run:
         print(line, flush=True)
         return 0
+    hosts = failures.rank_hosts(config.hosts, config.np) if config.backend != "srun" else []
+    if not spec and config.backend != "srun":
+        _check_reachable(config, hosts)
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-    hosts = failures.rank_hosts(config.hosts, config.np) if config.backend != "srun" else []
     return run_command(argv, {**environ, **env}, hosts)
+
+
+def _check_reachable(config, rank_hosts):
+    """Every other host answers `ssh host true` before anything is launched (horovodrun and
+    mpirun would otherwise fail with a traceback or a page of generic text)."""
+    own = _own_names()
+    remote = list(dict.fromkeys(h.name for h in config.hosts if not is_local(h.name, own)))
+    if not remote:
+        return
+    down = doctor.unreachable(remote, config.ssh_port, config.ssh_identity_file)
+    if down:
+        parts = []
+        for host, why in down.items():
+            ranks = [str(r) for r, h in enumerate(rank_hosts) if h == host]
+            which = f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)}"
+            parts.append(f"{host} ({which}): {why}")
+        raise HostUnreachable(
+            f"cannot reach {'; '.join(parts)}; nothing was started. Bring the host back or "
+            "leave it out of the hosts, and check them with `hvdtrain-run doctor`"
+        )
 
 
 def _own_names():

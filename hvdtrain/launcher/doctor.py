@@ -41,6 +41,8 @@ __all__ = [
     "REQUIRED_BUILD",
     "PACKAGES",
     "probe_argv",
+    "ssh_argv",
+    "unreachable",
     "parse_probe",
     "run_probe",
     "host_problems",
@@ -133,12 +135,38 @@ def probe_argv(host, python, local, ssh_port=None, ssh_identity_file=None, timeo
         return [python, "-c", source]
     encoded = base64.b64encode(source.encode()).decode()
     remote = [python, "-c", f"import base64; exec(base64.b64decode('{encoded}').decode())"]
+    return ssh_argv(host, ssh_port, ssh_identity_file) + [shlex.join(remote)]
+
+
+def ssh_argv(host, ssh_port=None, ssh_identity_file=None):
+    """`ssh -o BatchMode=yes -o ConnectTimeout=5 [-p P] [-i F] host`: never prompts."""
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
     if ssh_port:
         argv += ["-p", str(ssh_port)]
     if ssh_identity_file:
         argv += ["-i", ssh_identity_file]
-    return argv + [host, shlex.join(remote)]
+    return argv + [host]
+
+
+def unreachable(hosts, ssh_port=None, ssh_identity_file=None, timeout=20):
+    """{host: why} for each of `hosts` where `ssh host true` fails (all tried at once): the
+    check `hvdtrain-run` makes before launching on other hosts."""
+
+    def attempt(host):
+        argv = ssh_argv(host, ssh_port, ssh_identity_file) + ["true"]
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            return f"ssh did not answer within {timeout} s"
+        except OSError as e:
+            return f"cannot run ssh: {e.strerror or e}"
+        return None if done.returncode == 0 else _last_line(done.stderr)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts) or 1)) as pool:
+        results = dict(zip(hosts, pool.map(attempt, hosts), strict=True))
+    return {host: why for host, why in results.items() if why}
 
 
 def _last_line(text):

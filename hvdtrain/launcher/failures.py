@@ -26,6 +26,7 @@ EXIT_CODES = {
     2: "a user error, printed above",
     3: "training diverged",
     4: "training finished but an output was not written",
+    5: "a host could not be reached over ssh; nothing was started",
 }
 # horovodrun's status for a rank whose ssh session ended with the host (killed, unplugged).
 SSH_LOST = 255
