@@ -169,7 +169,7 @@ def launch(docker, first, *args):
 
 def test_two_containers_train_as_two_hosts(docker, two_hosts):
     names, outs = two_hosts
-    proc = sh(launch(docker, names[0], "--epochs", "1"))
+    proc = sh(launch(docker, names[0], "--model", "mlp", "--epochs", "2"))
     metrics = json.loads((outs[names[0]] / "metrics.json").read_text())
     assert metrics["status"] == "finished", proc.stdout[-2000:]
     assert sorted(r["hostname"] for r in metrics["ranks"]) == names
@@ -181,7 +181,7 @@ def test_two_containers_train_as_two_hosts(docker, two_hosts):
 def test_a_killed_container_ends_the_job_on_the_other_naming_the_lost_host(docker, two_hosts):
     names, outs = two_hosts
     job = subprocess.Popen(
-        launch(docker, names[0], "--epochs", "30"),
+        launch(docker, names[0], "--model", "mlp", "--epochs", "200"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
