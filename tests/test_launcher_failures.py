@@ -53,6 +53,23 @@ therefore will terminate the job.
 --------------------------------------------------------------------------
 """
 
+# Every process of host B killed (tests/test_lost_hosts.py): the daemon's ssh session ends.
+MPI_PEER_GONE = """\
+--------------------------------------------------------------------------
+ORTE was unable to reliably start one or more daemons.
+This usually is caused by:
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+An MPI communication peer process has unexpectedly disconnected.  This
+usually indicates a failure in the peer process (e.g., a crash or
+otherwise exiting without calling MPI_FINALIZE first).
+
+  Local host: hvd-host0
+  Local PID:  1069
+  Peer host:  node2
+--------------------------------------------------------------------------
+"""
+
 
 def filtered(text):
     f = OutputFilter()
@@ -93,6 +110,8 @@ def test_mpirun_signal_exit_status_and_lost_host():
     failure = find_failure(MPI_LOST.splitlines(), HOSTS)
     assert failure.lost_host == "node2"
     assert explain(failure, HOSTS).startswith("lost host node2 (ranks 1, 2): Open MPI lost")
+    failure = find_failure(MPI_PEER_GONE.splitlines(), HOSTS)
+    assert (failure.lost_host, failure.exit_code) == ("node2", 255)
 
 
 def test_other_tracebacks_pass_through_and_nothing_found_is_none():

@@ -7,7 +7,7 @@ processes exited ...`), and after the job prints `explain(...)`:
     hvdtrain-run: rank 1 on host node2 failed first: exit status 3 (training diverged); the
     job was ended
     hvdtrain-run: rank 1 on host node2 was killed by signal 9 (SIGKILL) first; the job was ended
-    hvdtrain-run: lost host node2 (rank 1): Open MPI lost its daemon there (the host went
+    hvdtrain-run: lost host node2 (rank 1): Open MPI lost its connection there (the host went
     down or its network did); the job was ended
 
 Pure: tested on the launchers' real messages without running them.
@@ -27,6 +27,7 @@ EXIT_CODES = {
     3: "training diverged",
     4: "training finished but an output was not written",
     5: "a host could not be reached over ssh; nothing was started",
+    255: "a host was lost mid-run (its ssh connection or Open MPI's daemon there)",
 }
 # horovodrun's status for a rank whose ssh session ended with the host (killed, unplugged).
 SSH_LOST = 255
@@ -36,7 +37,10 @@ _CODE = re.compile(r"Exit code:\s*(-?\d+)")
 _SIGNALED = re.compile(
     r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", re.IGNORECASE
 )
-_LOST = re.compile(r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)")
+_LOST = re.compile(
+    r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)"
+    r"|peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)"
+)
 
 
 @dataclass
@@ -52,7 +56,10 @@ class Failure:
 
     @property
     def exit_code(self):
-        """The status `hvdtrain-run` exits with: the rank's own, 128 + N for signal N."""
+        """The status `hvdtrain-run` exits with: the rank's own, 128 + N for signal N, 255
+        for a lost host (as ssh's own status for a lost connection)."""
+        if self.lost_host:
+            return SSH_LOST
         if self.signal:
             return 128 + self.signal
         if self.code is not None and self.code < 0:
@@ -104,7 +111,7 @@ def find_failure(lines, hosts=()):
     found = None
     lost = _LOST.search(text)
     if lost:
-        return Failure(lost_host=lost.group(1).rstrip(".,"))
+        return Failure(lost_host=(lost.group(1) or lost.group(2)).rstrip(".,"))
     signaled = _SIGNALED.search(text)
     if signaled:
         found = Failure(int(signaled.group(1)), signaled.group(2), signal=int(signaled.group(3)))
@@ -123,9 +130,9 @@ def explain(failure, hosts=()):
         ranks = [str(r) for r, h in enumerate(hosts) if h == failure.lost_host]
         which = f" ({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)})" if ranks else ""
         return (
-            f"lost host {failure.lost_host}{which}: Open MPI lost its daemon there (the host "
-            "went down or its network did); the job was ended. `hvdtrain-run doctor` checks "
-            "the hosts before a new launch."
+            f"lost host {failure.lost_host}{which}: Open MPI lost its connection there (the "
+            "host went down or its network did); the job was ended. `hvdtrain-run doctor` "
+            "checks the hosts before a new launch."
         )
     who = f"rank {failure.rank}" + (f" on host {failure.host}" if failure.host else "")
     code = failure.exit_code
