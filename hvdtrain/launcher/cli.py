@@ -401,11 +401,9 @@ def _check_reachable(config, rank_hosts):
         return
     down = doctor.unreachable(remote, config.ssh_port, config.ssh_identity_file)
     if down:
-        parts = []
-        for host, why in down.items():
-            ranks = [str(r) for r, h in enumerate(rank_hosts) if h == host]
-            which = f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)}"
-            parts.append(f"{host} ({which}): {why}")
+        parts = [
+            f"{host} ({failures.ranks_on(host, rank_hosts)}): {why}" for host, why in down.items()
+        ]
         raise HostUnreachable(
             f"cannot reach {'; '.join(parts)}; nothing was started. Bring the host back or "
             "leave it out of the hosts, and check them with `hvdtrain-run doctor`"

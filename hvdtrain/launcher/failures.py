@@ -18,7 +18,15 @@ import signal
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Failure", "OutputFilter", "find_failure", "explain", "rank_hosts", "EXIT_CODES"]
+__all__ = [
+    "Failure",
+    "OutputFilter",
+    "find_failure",
+    "explain",
+    "rank_hosts",
+    "ranks_on",
+    "EXIT_CODES",
+]
 
 # hvdtrain's exit statuses (README, "Exit codes").
 EXIT_CODES = {
@@ -127,8 +135,8 @@ def find_failure(lines, hosts=()):
 def explain(failure, hosts=()):
     """One line on `failure` (from `find_failure`)."""
     if failure.lost_host:
-        ranks = [str(r) for r, h in enumerate(hosts) if h == failure.lost_host]
-        which = f" ({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)})" if ranks else ""
+        ranks = ranks_on(failure.lost_host, hosts)
+        which = f" ({ranks})" if ranks else ""
         return (
             f"lost host {failure.lost_host}{which}: Open MPI lost its connection there (the "
             "host went down or its network did); the job was ended. `hvdtrain-run doctor` "
@@ -150,6 +158,12 @@ def explain(failure, hosts=()):
         return f"{who} was killed by signal {code - 128}{name} first; the job was ended"
     meaning = EXIT_CODES.get(code, "see its output above")
     return f"{who} failed first: exit status {code} ({meaning}); the job was ended"
+
+
+def ranks_on(host, hosts):
+    """'rank 1' or 'ranks 1, 2': the ranks that `hosts` (`rank_hosts`) puts on `host`."""
+    ranks = [str(r) for r, h in enumerate(hosts) if h == host]
+    return f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)}" if ranks else ""
 
 
 def rank_hosts(hosts, np):
