@@ -210,6 +210,8 @@ _PEER_LOST = re.compile(
     r"Connection (?:reset|closed) by peer|Broken pipe|pair\.cc:\d+\] (?:Read|Write) error"
 )
 
+_PEER_SILENT = re.compile(r"Timed out waiting \d+ms for (?:recv|send) op|Application timeout")
+
 
 def _because_of_another_rank(text):
     """What an error's `text` says happened if this rank only failed because another rank
@@ -218,6 +220,8 @@ def _because_of_another_rank(text):
         return "Horovod was shut down"
     if _PEER_LOST.search(text):
         return "the connection to another rank broke"
+    if _PEER_SILENT.search(text):
+        return "nothing came from another rank within HOROVOD_GLOO_TIMEOUT_SECONDS"
     return None
 
 

@@ -198,6 +198,10 @@ class NamespaceHosts:
                     os.kill(int(pid), 9)
                 except (ProcessLookupError, ValueError):
                     pass
+            # The veth pair goes now: the namespace itself may outlive `del` for minutes
+            # (the kernel frees it after its last TCP socket, e.g. one retransmitting to a
+            # host whose network a test cut), and the next hosts reuse the names.
+            _sh("ip", "link", "del", f"{ns}b", check=False)
             _sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         _sh("ip", "link", "del", self.bridge, check=False)

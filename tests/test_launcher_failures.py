@@ -118,3 +118,28 @@ def test_other_tracebacks_pass_through_and_nothing_found_is_none():
     text = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: mine\nafter\n'
     shown, f = filtered(text)
     assert shown == text and find_failure(f.seen) is None
+
+
+def test_a_rank_ending_starts_the_launchers_grace_and_unanswering_hosts_are_named():
+    import pytest
+
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.launcher.failures import explain_unanswered, is_ending, launcher_grace_seconds
+
+    # Seen when host node2's network was cut (tests/test_lost_hosts.py): rank 0's watchdog,
+    # then mpirun's abort, which then waits for node2's daemon.
+    watchdog = "[1,0]<stderr>:hvdtrain: rank 0 made no progress for 20 s (last: in step 1 ...)"
+    assert is_ending(watchdog)
+    assert is_ending("a non-zero exit code. Per user-direction, the job has been aborted.")
+    assert all(is_ending(line) for line in GLOO.splitlines()[:1])
+    assert not is_ending("[1,0]<stderr>:hvdtrain: epoch 1/5: 70 steps in 8.4 s")
+    assert launcher_grace_seconds({}) == 30
+    assert launcher_grace_seconds({"HVDTRAIN_LAUNCHER_GRACE_SECONDS": "2.5"}) == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(HvdtrainError, match="HVDTRAIN_LAUNCHER_GRACE_SECONDS"):
+            launcher_grace_seconds({"HVDTRAIN_LAUNCHER_GRACE_SECONDS": bad})
+    timed_out = "ssh: connect to host node2 port 22: Connection timed out"
+    line = explain_unanswered({"node2": timed_out}, HOSTS, 30)
+    assert line.startswith(f"lost host node2 (ranks 1, 2): it no longer answers ssh ({timed_out})")
+    assert "30 s after a rank ended, so hvdtrain-run ended it" in line
+    assert "ended it" not in explain_unanswered({"node2": timed_out}, HOSTS)

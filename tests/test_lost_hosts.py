@@ -47,42 +47,124 @@ def kill_host(hosts, i):
             pass
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_a_killed_host_ends_the_job_naming_it_and_a_relaunch_stops_before_starting(
-    hosts, backend, tmp_path
-):
-    hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
-    ckpt, lost = tmp_path / "ckpt", hosts.addresses[1]
+def start_and_wait_for_checkpoint(hosts, hostfile, backend, ckpt, **env):
+    """The job on host 0 (hvdtrain-run), once its first checkpoint is written."""
     job = subprocess.Popen(
         hosts._in(0, mnist(hosts, hostfile, backend, ckpt, 500)),
-        env=hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2"),
+        env=hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2", **env),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (ckpt / "epoch-0001").exists():  # polling for the first checkpoint
+        if job.poll() is not None or time.monotonic() > deadline:
+            end(job, hosts)
+            pytest.fail(f"no checkpoint within {START_TIMEOUT} s: {job.communicate()}")
+        time.sleep(0.2)
+    return job
+
+
+def wait_for_end(hosts, job, bound):
+    """(exit code, stderr, seconds taken) of `job`, which must end within `bound` + 60 s."""
+    since = time.monotonic()
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not (ckpt / "epoch-0001").exists():  # polling for the first checkpoint
-            assert job.poll() is None, job.communicate()
-            assert time.monotonic() < deadline, "no checkpoint within the bound"
-            time.sleep(0.2)
-        kill_host(hosts, 1)
-        killed = time.monotonic()
-        out, err = job.communicate(timeout=BOUND + 60)
-        took = time.monotonic() - killed
+        _, err = job.communicate(timeout=bound + 60)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    assert job.returncode == 255, (job.returncode, err[-3000:])  # a lost host (README)
-    assert took < BOUND, f"the job ended {took:.0f} s after the fault"
+        end(job, hosts)
+    return job.returncode, err, time.monotonic() - since
+
+
+def end(job, hosts):
+    """Ends `job` and whatever it left on host 0 (but its sshd), so nothing holds its pipes."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        pids = subprocess.run(
+            ["ip", "netns", "pids", hosts.names[0]], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+        for pid in set(map(int, pids)) - {hosts._sshd[0].pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.communicate(timeout=60)
+
+
+def hostfile_of(hosts, tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
+    return hostfile
+
+
+def training_processes(hosts, i):
+    """The pids of host i's processes that run hvdtrain.mnist."""
+    found = []
+    pids = subprocess.run(
+        ["ip", "netns", "pids", hosts.names[i]], capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"hvdtrain.mnist" in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def check_ending(backend, code, err, took, bound, lost):
+    assert code == 255, (code, err[-3000:])  # a lost host (README)
+    assert took < bound, f"the job ended {took:.0f} s after the fault"
     last = [line for line in err.splitlines() if line.startswith("hvdtrain-run:")][-1]
-    print(f"{backend}: ended {took:.1f} s after the fault, exit {job.returncode}: {last}")
+    print(f"{backend}: ended {took:.1f} s after the fault, exit {code}: {last}")
     assert lost in last and "rank 1" in last, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
-    assert (ckpt / "epoch-0001" / "manifest.json").exists()  # the checkpoint kept
 
+
+def check_relaunch_stops(hosts, hostfile, backend, ckpt, lost):
     again = hosts.run(0, mnist(hosts, hostfile, backend, ckpt, 500), timeout=60)
     assert again.returncode == 5, again.stderr[-3000:]
     (line,) = again.stderr.splitlines()
     assert line.startswith(f"hvdtrain-run: error: cannot reach {lost} (rank 1):"), line
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_killed_host_ends_the_job_naming_it_and_a_relaunch_stops_before_starting(
+    hosts, backend, tmp_path
+):
+    hostfile, ckpt, lost = hostfile_of(hosts, tmp_path), tmp_path / "ckpt", hosts.addresses[1]
+    job = start_and_wait_for_checkpoint(hosts, hostfile, backend, ckpt)
+    kill_host(hosts, 1)
+    code, err, took = wait_for_end(hosts, job, BOUND)
+    check_ending(backend, code, err, took, BOUND, lost)
+    assert (ckpt / "epoch-0001" / "manifest.json").exists()  # the checkpoint kept
+    check_relaunch_stops(hosts, hostfile, backend, ckpt, lost)
+
+
+# The network cut, with short timeouts: the watchdog at 2 x 10 s (MPI), Gloo's receive
+# timeout at 10 s, then hvdtrain-run's grace of 10 s (+10 s to SIGKILL) and its 5 s ssh probe.
+CUT_ENV = {
+    "HVDTRAIN_STALL_SHUTDOWN_SECONDS": "10",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
+    "HVDTRAIN_LAUNCHER_GRACE_SECONDS": "10",
+}
+CUT_BOUND = 75  # README, "Fault tolerance": 2 x stall + grace + 10 s + the probe, and margin
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_cut_network_ends_the_job_naming_the_host_and_nothing_runs_on(hosts, backend, tmp_path):
+    hostfile, ckpt, lost = hostfile_of(hosts, tmp_path), tmp_path / "ckpt", hosts.addresses[1]
+    job = start_and_wait_for_checkpoint(hosts, hostfile, backend, ckpt, **CUT_ENV)
+    link = ["ip", "netns", "exec", hosts.names[1], "ip", "link", "set", "eth0"]
+    subprocess.run([*link, "down"], check=True, timeout=30)
+    cut = time.monotonic()
+    code, err, took = wait_for_end(hosts, job, CUT_BOUND)
+    check_ending(backend, code, err, took, CUT_BOUND, lost)
+    assert training_processes(hosts, 0) == [], "a rank was left running on the launch host"
+    assert (ckpt / "epoch-0001" / "manifest.json").exists()
+    check_relaunch_stops(hosts, hostfile, backend, ckpt, lost)
+    # B's own rank ends by itself (its watchdog, or Gloo's timeout), cut off as it is.
+    while training_processes(hosts, 1):  # polling, bounded by the cut's bound
+        assert time.monotonic() - cut < CUT_BOUND, "host B's rank is still running"
+        time.sleep(0.5)
+    print(f"{backend}: B's rank ended by itself {time.monotonic() - cut:.1f} s after the cut")
+    subprocess.run([*link, "up"], check=True, timeout=30)

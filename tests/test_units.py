@@ -148,6 +148,13 @@ def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, 
             "transport/tcp/pair.cc:589] Read error [10.232.7.3]:35227: Connection reset by peer",
             "the connection to another rank broke",
         ),
+        # The survivor of a cut network (tests/test_lost_hosts.py): Gloo's receive timeout.
+        (
+            "Graph execution error:\n[/tmp/horovod-0.28.1/third_party/compatible17_gloo/gloo/"
+            "transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv operation "
+            "to complete",
+            "nothing came from another rank within HOROVOD_GLOO_TIMEOUT_SECONDS",
+        ),
         ("ValueError: my own mistake in the model", None),
     ],
 )

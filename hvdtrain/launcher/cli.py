@@ -32,10 +32,12 @@ Backends: `gloo` (`horovodrun --gloo`; the default for several hosts outside SLU
 first (the virtualenv), then PATH; that directory also goes first on the ranks' PATH.
 
 Exit status: the job's own (non-zero when any rank fails); 128+N when it died of signal N;
-2 for a mistake in the options, printed as one line. SIGINT and SIGTERM are forwarded to
-the job's whole process group. `--dry-run` prints the command as one shell line and exits
-0; values of variables and options that look secret (*SECRET*, *TOKEN*, *KEY*, *PASSWORD*)
-are never printed.
+2 for a mistake in the options, printed as one line; 5 when a host does not answer ssh
+before the launch; 255 when one was lost during the job (see `failures`: a rank's failure
+gives the launcher HVDTRAIN_LAUNCHER_GRACE_SECONDS, 30, to end before hvdtrain-run ends
+it). SIGINT and SIGTERM are forwarded to the job's whole process group. `--dry-run` prints
+the command as one shell line and exits 0; values of variables and options that look
+secret (*SECRET*, *TOKEN*, *KEY*, *PASSWORD*) are never printed.
 """
 
 import argparse
@@ -46,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from hvdtrain.errors import HostUnreachable, HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.flags import ArgumentParser
@@ -307,15 +310,20 @@ def make_config(args, environ):
     )
 
 
-def run_command(argv, env, hosts=None):
+def run_command(argv, env, hosts=None, grace=None, probe=None):
     """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
     group; returns its exit code (128+N when it died of signal N).
 
     With `hosts` (the host of each rank), the launcher's stderr passes through a
     `failures.OutputFilter`: its own traceback after a failed rank is left out and, when
     the job fails, one line names the first rank that failed and its host (or the host
-    that was lost); the exit code is then that rank's."""
-    child, pending = [], []
+    that was lost); the exit code is then that rank's. With `grace` (seconds), once a line
+    says a rank is ending (`failures.is_ending`), the launcher has that long to end before
+    every process of its session is ended (SIGTERM, then SIGKILL 10 s later; also the ssh
+    clients that mpirun puts in groups of their own): mpirun waits forever for a host
+    whose network is gone. `probe()`, called after a failed job, returns {host:
+    why} for the hosts that no longer answer; those are named as lost (exit 255)."""
+    child, pending, timers, ended = [], [], [], []
 
     def forward(signum, frame):
         if not child:  # not started yet: pass it on as soon as it is
@@ -325,6 +333,10 @@ def run_command(argv, env, hosts=None):
             os.killpg(child[0].pid, signum)
         except ProcessLookupError:
             pass
+
+    def end_launcher(signum):
+        ended[:] = [grace]
+        _signal_session(child[0].pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     watch = failures.OutputFilter() if hosts is not None else None
@@ -346,24 +358,56 @@ def run_command(argv, env, hosts=None):
             forward(signum, None)
         if watch:
             for line in child[0].stderr:
-                sys.stderr.writelines(watch.feed(line))
-                sys.stderr.flush()
+                shown = watch.feed(line)
+                if not ended:  # after that: the launcher's reaction to being ended
+                    sys.stderr.writelines(shown)
+                    sys.stderr.flush()
+                if grace and not timers and failures.is_ending(line):
+                    for delay, signum in ((grace, signal.SIGTERM), (grace + 10, signal.SIGKILL)):
+                        timers.append(threading.Timer(delay, end_launcher, (signum,)))
+                        timers[-1].daemon = True
+                        timers[-1].start()
             sys.stderr.writelines(watch.flush())
         code = child[0].wait()
     finally:
+        for timer in timers:
+            timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code
     if watch and code:
         failure = failures.find_failure(watch.seen, hosts)
-        if failure:
-            print(f"{PROG}: {failures.explain(failure, hosts)}", file=sys.stderr, flush=True)
-            code = failure.exit_code or code
+        down = probe() if probe and not (failure and failure.exit_code == 255) else {}
+        if down:
+            line, code = failures.explain_unanswered(down, hosts, ended and grace), 255
+        elif failure:
+            line, code = failures.explain(failure, hosts), failure.exit_code or code
+        elif ended:
+            line = f"the launcher was still running {grace:g} s after a rank ended; ended it"
+        else:
+            line = None
+        if line:
+            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     return code
+
+
+def _signal_session(sid, signum):
+    """Sends `signum` to every process of session `sid` (Linux: /proc/PID/stat)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # state, ppid, pgrp, session
+                os.kill(int(entry), signum)
+        except (OSError, IndexError, ValueError):
+            pass  # gone meanwhile
 
 
 def _launch(args):
     environ = dict(os.environ)
+    grace = failures.launcher_grace_seconds(environ)
     spec = None
     if args.elastic:  # horovodrun --gloo with a discovery script: hvdtrain.launcher.elastic
         config, spec = elastic.make_config(args, environ, make_config, resolve_hosts)
@@ -385,20 +429,31 @@ def _launch(args):
         print(line, flush=True)
         return 0
     hosts = failures.rank_hosts(config.hosts, config.np) if config.backend != "srun" else []
-    if not spec and config.backend != "srun":
-        _check_reachable(config, hosts)
+    remote = _remote_hosts(config) if config.backend != "srun" else []
+    if not spec and remote:
+        _check_reachable(config, remote, hosts)
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-    return run_command(argv, {**environ, **env}, hosts)
+    if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
+        return run_command(argv, {**environ, **env}, hosts)
+    probe = None
+    if remote:
+
+        def probe():
+            return doctor.unreachable(remote, config.ssh_port, config.ssh_identity_file, 15)
+
+    return run_command(argv, {**environ, **env}, hosts, grace, probe)
 
 
-def _check_reachable(config, rank_hosts):
-    """Every other host answers `ssh host true` before anything is launched (horovodrun and
-    mpirun would otherwise fail with a traceback or a page of generic text)."""
+def _remote_hosts(config):
+    """The hosts of `config` other than this one, each once."""
     own = _own_names()
-    remote = list(dict.fromkeys(h.name for h in config.hosts if not is_local(h.name, own)))
-    if not remote:
-        return
+    return list(dict.fromkeys(h.name for h in config.hosts if not is_local(h.name, own)))
+
+
+def _check_reachable(config, remote, rank_hosts):
+    """Every other host (`remote`) answers `ssh host true` before anything is launched
+    (horovodrun and mpirun would otherwise fail with a traceback or a page of text)."""
     down = doctor.unreachable(remote, config.ssh_port, config.ssh_identity_file)
     if down:
         parts = [

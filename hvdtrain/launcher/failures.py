@@ -9,6 +9,14 @@ processes exited ...`), and after the job prints `explain(...)`:
     hvdtrain-run: rank 1 on host node2 was killed by signal 9 (SIGKILL) first; the job was ended
     hvdtrain-run: lost host node2 (rank 1): Open MPI lost its connection there (the host went
     down or its network did); the job was ended
+    hvdtrain-run: lost host node2 (rank 1): it no longer answers ssh (...); the job was ended
+
+A host whose network is cut sends nothing: no launcher notices it. The ranks that wait for it
+end (Gloo's receive timeout, hvdtrain's watchdog), but mpirun then waits for the lost host's
+daemon forever. So once a line says a rank is ending (`is_ending`), the launcher has
+`LAUNCHER_GRACE_SECONDS` to end too, or `hvdtrain-run` ends its process group; after a failed
+job it asks every other host `ssh host true`, and a host that no longer answers is named as
+lost (`explain_unanswered`).
 
 Pure: tested on the launchers' real messages without running them.
 """
@@ -18,6 +26,8 @@ import signal
 from collections import deque
 from dataclasses import dataclass
 
+from hvdtrain.errors import invalid_value
+
 __all__ = [
     "Failure",
     "OutputFilter",
@@ -25,7 +35,11 @@ __all__ = [
     "explain",
     "rank_hosts",
     "ranks_on",
+    "is_ending",
+    "explain_unanswered",
+    "launcher_grace_seconds",
     "EXIT_CODES",
+    "LAUNCHER_GRACE_SECONDS",
 ]
 
 # hvdtrain's exit statuses (README, "Exit codes").
@@ -45,6 +59,13 @@ _CODE = re.compile(r"Exit code:\s*(-?\d+)")
 _SIGNALED = re.compile(
     r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", re.IGNORECASE
 )
+# A rank is ending: hvdtrain's watchdog or error lines, mpirun's abort, Gloo's launcher.
+_ENDING = re.compile(
+    r"hvdtrain: rank \d+ (made no progress|stopped)|the job has been aborted|MPI_ABORT was invoked"
+    r"|exited on signal \d+|Horovod detected that one or more processes exited"
+)
+LAUNCHER_GRACE_SECONDS = 30  # for the launcher to end after a rank did (HVDTRAIN_LAUNCHER_GRACE)
+_GRACE_ENV = "HVDTRAIN_LAUNCHER_GRACE_SECONDS"
 _LOST = re.compile(
     r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)"
     r"|peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)"
@@ -158,6 +179,51 @@ def explain(failure, hosts=()):
         return f"{who} was killed by signal {code - 128}{name} first; the job was ended"
     meaning = EXIT_CODES.get(code, "see its output above")
     return f"{who} failed first: exit status {code} ({meaning}); the job was ended"
+
+
+def is_ending(line):
+    """Whether the launcher's `line` says a rank is ending (the job is failing)."""
+    return bool(_ENDING.search(line))
+
+
+def launcher_grace_seconds(environ):
+    """HVDTRAIN_LAUNCHER_GRACE_SECONDS from `environ`, else `LAUNCHER_GRACE_SECONDS`.
+
+    Raises:
+        HvdtrainError: not a number of seconds > 0.
+    """
+    text = environ.get(_GRACE_ENV, "").strip()
+    if not text:
+        return LAUNCHER_GRACE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise invalid_value(_GRACE_ENV, text, "a number of seconds > 0, e.g. 30")
+    return value
+
+
+def explain_unanswered(down, hosts, ended_after=None):
+    """One line on the hosts that stopped answering ssh during the job: `down` is {host:
+    ssh's reason} (`doctor.unreachable`); `ended_after`: the grace after which hvdtrain-run
+    ended the launcher, if it had to."""
+    parts = []
+    for host in down:
+        ranks = ranks_on(host, hosts)
+        parts.append(f"{host}{f' ({ranks})' if ranks else ''}")
+    reasons = "; ".join(dict.fromkeys(down.values()))
+    ended = (
+        f"; the launcher was still waiting for it {ended_after:g} s after a rank ended, so "
+        "hvdtrain-run ended it"
+        if ended_after
+        else ""
+    )
+    return (
+        f"lost host {', '.join(parts)}: it no longer answers ssh ({reasons}), so its network "
+        f"or the host went down during the job{ended}; the job was ended. `hvdtrain-run "
+        "doctor` checks the hosts before a new launch."
+    )
 
 
 def ranks_on(host, hosts):
