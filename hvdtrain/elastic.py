@@ -69,6 +69,7 @@ pitfall above shown with Horovod's piece and with hvdtrain's).
 
 import hashlib
 import logging
+import time
 
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
@@ -182,12 +183,12 @@ class CommitStateCallback(hvd_keras.elastic.CommitStateCallback):
 class _EpochLogs(tf.keras.callbacks.Callback):
     """Records each epoch's (rank-averaged) logs by absolute epoch; a redone epoch replaces."""
 
-    def __init__(self, epochs):
+    def __init__(self, record):
         super().__init__()
-        self.epochs = epochs
+        self.record = record
 
     def on_epoch_end(self, epoch, logs=None):
-        self.epochs[epoch] = {k: float(v) for k, v in (logs or {}).items()}
+        self.record.epoch_ended(epoch, {k: float(v) for k, v in (logs or {}).items()})
 
 
 def _is_horovod_failure(error):
@@ -203,13 +204,25 @@ def _digest(variables):
 
 
 class _Record:
-    """This process's record of the elastic run: its (re)starts, commits and resets."""
+    """The elastic run's record. The job's part (`state.ledger`: epochs' logs, commits,
+    resets, when the job began) lives in Horovod's state, so it is committed and rolled
+    back with the weights and a worker that joins receives it with them: whichever worker
+    is rank 0 at the end writes the whole job's. This process's starts are its own."""
 
     def __init__(self, recipe, state):
         self.recipe, self.state = recipe, state
-        self.starts, self.resets, self.epochs = [], [], {}
-        self.commits, self.last_commit, self.interrupt = 0, None, None
-        self.size = None
+        self.starts, self.interrupt, self.size = [], None, None
+        self.commit_at = (0, 0)  # (epoch, batch) of this process's last commit or start
+        self.began = time.time()
+
+    @staticmethod
+    def new_ledger():
+        return {"began": None, "history_before": {}, "epochs": {}, "commits": 0,
+                "last_commit": None, "resets": []}  # fmt: skip
+
+    def _update(self, **changes):
+        # A new dict each time: Horovod's commit keeps a reference, not a copy.
+        self.state.ledger = {**self.state.ledger, **changes}
 
     def where(self):
         steps, state = self.recipe.steps or 0, self.state
@@ -222,6 +235,9 @@ class _Record:
     def started(self):
         r = self.recipe
         self.size = r.place.size
+        self.commit_at = (int(self.state.epoch), int(self.state.batch))
+        if self.state.ledger["began"] is None:  # the job's first start
+            self._update(began=self.began, history_before=r.history_before)
         self.starts.append(
             {
                 "size": r.place.size,
@@ -235,14 +251,26 @@ class _Record:
             }
         )
 
+    def epoch_ended(self, epoch, logs):
+        self._update(epochs={**self.state.ledger["epochs"], epoch: logs})
+
     def committed(self):
-        self.commits += 1
-        self.last_commit = {**self.where(), "size": hvd.size()}
+        self.commit_at = (int(self.state.epoch), int(self.state.batch))
+        ledger = self.state.ledger
+        self._update(
+            commits=ledger["commits"] + 1, last_commit={**self.where(), "size": hvd.size()}
+        )
 
     def interrupted(self, reason):
+        # The steps since this process's last commit, counted in this process's steps per
+        # epoch (the size may change before the reset is logged).
+        epoch, batch = int(self.state.epoch), int(self.state.batch)
+        steps = self.recipe.steps or 0
+        redone = (epoch - self.commit_at[0]) * steps + batch - self.commit_at[1]
         self.interrupt = {
             "reason": reason,
-            "interrupted_at": self.where() if self.recipe.steps else None,
+            "interrupted_at": self.where() if steps else None,
+            "redone_steps": max(0, redone) if steps else 0,
         }
         wd = getattr(self.recipe, "watchdog", None)
         if wd is not None and wd.watchdog is not None:
@@ -255,21 +283,20 @@ class _Record:
 
         get_logger(hvd.rank())  # rank 0 may be another worker now: it does the talking
         interrupt, self.interrupt = (
-            self.interrupt or {"reason": "reset", "interrupted_at": None},
+            self.interrupt or {"reason": "reset", "interrupted_at": None, "redone_steps": 0},
             None,
         )
         restored = self.where()
-        at = interrupt["interrupted_at"]
         record = {
             **interrupt,
             "size_before": self.size,
             "size_after": hvd.size(),
             "rank_after": hvd.rank(),
-            "last_commit": self.last_commit,
+            "last_commit": self.state.ledger["last_commit"],
             "restored": restored,
-            "redone_steps": at["step"] - restored["step"] if at else 0,
         }
-        self.resets.append(record)
+        self._update(resets=[*self.state.ledger["resets"], record])
+        self.state.save()  # with the reset in the ledger: rank 0's is broadcast next
         log.info(
             "elastic: %s; %s -> %d rank(s); back to epoch %d, step %d (last commit), "
             "%d step(s) to do again",
@@ -281,13 +308,30 @@ class _Record:
             record["redone_steps"],
         )
 
+    def history(self):
+        """The job's history: the epochs before its first start (from the checkpoint it
+        resumed) and every committed epoch since."""
+        ledger = self.state.ledger
+        history = {k: list(v) for k, v in ledger["history_before"].items()}
+        before = max((len(v) for v in history.values()), default=0)
+        for epoch in sorted(e for e in ledger["epochs"] if e >= before):
+            for k, v in ledger["epochs"][epoch].items():
+                history.setdefault(k, []).append(v)
+        return history
+
+    def wall_seconds(self):
+        """Seconds since the job's first start (rank 0's clock then, this host's now)."""
+        return time.time() - (self.state.ledger["began"] or self.began)
+
     def section(self):
+        ledger = self.state.ledger
         return {
             "commit_every": self.recipe.cfg.commit_every,
-            "commits": self.commits,
-            "last_commit": self.last_commit,
+            "commits": ledger["commits"],
+            "last_commit": ledger["last_commit"],
             "starts": self.starts,
-            "resets": self.resets,
+            "resets": ledger["resets"],
+            "process_wall_seconds": time.time() - self.began,
         }
 
 
@@ -324,7 +368,14 @@ def run(recipe):
     `--host-discovery-script`/`--min-np`) it is a fixed-size job that cannot recover."""
     recipe.setup()
     state = KerasState(
-        recipe.model, recipe.opt, epoch=0, batch=0, global_batch=0, started=False, resumed=None
+        recipe.model,
+        recipe.opt,
+        epoch=0,
+        batch=0,
+        global_batch=0,
+        started=False,
+        resumed=None,
+        ledger=_Record.new_ledger(),
     )
     record = _Record(recipe, state)
     state.register_reset_callbacks([record.on_reset])
@@ -342,7 +393,7 @@ def run(recipe):
         # Horovod: epoch and step into the state, then checkpoint, then commit.
         recipe.train(
             state_callbacks=[
-                _EpochLogs(record.epochs),
+                _EpochLogs(record),
                 UpdateBatchStateCallback(state),
                 UpdateEpochStateCallback(state),
             ],
@@ -358,9 +409,10 @@ def run(recipe):
     if out is None:  # only if Horovod swallowed an error that body() did not see
         raise HvdtrainError("elastic training stopped on an error Horovod did not report")
     result, ranks = out
-    history = {k: list(v) for k, v in recipe.history_before.items()}  # from the checkpoint
-    before = max((len(v) for v in history.values()), default=0)
-    for epoch in sorted(e for e in record.epochs if e >= before):
-        for k, v in record.epochs[epoch].items():
-            history.setdefault(k, []).append(v)
-    return recipe.finish(result, ranks, history=history, elastic=record.section())
+    return recipe.finish(
+        result,
+        ranks,
+        history=record.history(),
+        wall_seconds=record.wall_seconds(),
+        elastic=record.section(),
+    )

@@ -16,6 +16,22 @@ JOB_TIMEOUT = 240
 _STARTING_ENV = dict(os.environ)
 
 
+def tf_version():
+    """The installed TensorFlow's (major, minor), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return tuple(int(p) for p in version(name).split(".")[:2])
+        except PackageNotFoundError:
+            continue
+    return (0, 0)
+
+
+# Keras 2 is tf.keras up to TensorFlow 2.15; from 2.16 on it is tf-keras, chosen by this.
+LEGACY_KERAS = {"TF_USE_LEGACY_KERAS": "1"} if tf_version() >= (2, 16) else {}
+
+
 def job_env(**extra):
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_") or k in _STARTING_ENV

@@ -33,6 +33,7 @@ CMD = ("python", "-m", "hvdtrain.mnist", "--elastic")
 JOB_TIMEOUT = 420  # a whole elastic job, kills and joins included; a hang fails the test
 # Small jobs: 1280 samples of batch 32 are 20 steps per epoch on 2 ranks, 40 on 1.
 TRAIN = ["--epochs", "3", "--limit-samples", "1280", "--threads", "1", "--commit-every", "5"]
+QUIET = ("env", "HOROVOD_LOG_LEVEL=WARNING")  # the workers' Horovod core as without --log-level
 ELASTIC_ENV = {"HOROVOD_ELASTIC_TIMEOUT": "60", "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
 
 
@@ -56,7 +57,8 @@ def test_discovery_script_is_passed_as_given():
     )  # fmt: skip
     assert argv == [
         "horovodrun", "--gloo", "-np", "2", "--min-np", "2", "--max-np", "8",
-        "--host-discovery-script", "./d.sh", "--network-interfaces", "eth0", *CMD,
+        "--host-discovery-script", "./d.sh", "--log-level", "INFO", "--network-interfaces",
+        "eth0", *QUIET, *CMD,
     ]  # fmt: skip
     assert spec.warnings == ()
 
@@ -72,7 +74,7 @@ def test_hostfile_becomes_a_live_discovery_command(tmp_path):
     assert argv == [
         "horovodrun", "--gloo", "-np", "1", "--min-np", "1", "--max-np", "6",
         "--host-discovery-script", discover, "--elastic-timeout", "60", "--reset-limit", "3",
-        "--blacklist-cooldown-range", "10", "120", *CMD,
+        "--blacklist-cooldown-range", "10", "120", "--log-level", "INFO", *QUIET, *CMD,
     ]  # fmt: skip
     # What Horovod reads each second: the file as it is then.
     out = subprocess.run(
@@ -92,13 +94,14 @@ def test_hosts_and_this_host_become_printf_and_one_host_gets_lo_and_a_warning():
     argv, spec = _argv(["--elastic", "-np", "2", "-H", "a:2,b:2", "--", *CMD])
     assert argv == [
         "horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--max-np", "4",
-        "--host-discovery-script", r"printf '%s\n' a:2 b:2", *CMD,
+        "--host-discovery-script", r"printf '%s\n' a:2 b:2", "--log-level", "INFO", *QUIET,
+        *CMD,
     ]  # fmt: skip
     argv, spec = _argv(["--elastic", "--max-np", "2", "--", *CMD])
     assert argv == [
         "horovodrun", "--gloo", "-np", "1", "--min-np", "1", "--max-np", "2",
-        "--host-discovery-script", r"printf '%s\n' localhost:2", "--network-interfaces", "lo",
-        *CMD,
+        "--host-discovery-script", r"printf '%s\n' localhost:2", "--log-level", "INFO",
+        "--network-interfaces", "lo", *QUIET, *CMD,
     ]  # fmt: skip
     assert "blacklists its whole host" in spec.warnings[0]
     out = subprocess.run(["sh", "-c", argv[9]], capture_output=True, text=True, timeout=60)
@@ -112,7 +115,7 @@ def test_dry_run_prints_the_elastic_line():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "--gloo -np 1 --min-np 1 --max-np 2 --host-discovery-script" in out.stdout
-    assert "--network-interfaces lo python -m hvdtrain.mnist --elastic" in out.stdout
+    assert "--log-level INFO --network-interfaces lo env HOROVOD_LOG_LEVEL=WARNING" in out.stdout
     assert "warning" not in out.stderr  # two host names: a failure blacklists one of them
 
 
@@ -144,7 +147,7 @@ def test_builder_keeps_every_other_horovodrun_option():
     argv, _ = launcher.build_command(config, spec, {}, program="horovodrun")
     assert argv == [
         "horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh",
-        "--cycle-time-ms", "2.5", "-p", "2222", *CMD,
+        "--log-level", "INFO", "--cycle-time-ms", "2.5", "-p", "2222", *QUIET, *CMD,
     ]  # fmt: skip
 
 
@@ -288,6 +291,7 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, j
     workers = {_env_rank(p): p for p in job.workers()}
     assert sorted(workers) == [0, 1], job.output()
     survivor = workers[1 - victim].pid
+    lost = workers[victim].environ()["HOROVOD_HOSTNAME"]  # localhost or 127.0.0.1
     workers[victim].send_signal(signal.SIGKILL)
     code = job.finish()
     out = job.output()
@@ -319,6 +323,9 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, j
     assert after["batch"] == min(reset["restored"]["batch"] * 2, 39)
     assert after["step"] == after["epoch"] * 40 + after["batch"]
     assert "elastic: a worker failed; 2 -> 1 rank(s)" in out
+    assert f"hvdtrain-run: host {lost} is left out for the rest of this job" in out, out[-3000:]
+    assert "INFO:root:" not in out  # the driver's other INFO lines are left out
+    assert "Horovod initialized" not in out  # and the workers' core did not log at INFO
     # Rank 0's checkpoints went on, written by whoever was rank 0: the survivor at the end.
     final = json.loads((ckpt / "epoch-0003" / "manifest.json").read_text())
     assert final["written_by"]["pid"] == survivor and final["size"] == 1
@@ -368,6 +375,54 @@ def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
     assert after["batch"] == reset["restored"]["batch"] // 2  # the same samples seen
     assert m["steps_per_epoch"] == 40 and m["lr_scaled"] == pytest.approx(2e-3)
     assert m["optimizer_iterations"] == 4 * 40 and len(m["history"]["loss"]) == 4
+
+
+def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path, jobs):
+    """One worker starts, a second joins (another host name of this machine), the first is
+    killed: the one that joined ends the job as rank 0, and its metrics describe the whole
+    job (every epoch, both resets, the job's wall time), not only its own process."""
+    metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    job = Job(
+        ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
+         "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist", "--elastic",
+         *TRAIN, "--epochs", "6",
+         "--metrics-json", str(metrics)],
+        marker=str(metrics),
+    )  # fmt: skip
+    jobs.append(job)
+    job.wait_for(r"elastic: training on 1 rank\(s\)")
+    training = time.monotonic()
+    (first,) = job.workers()
+    job.wait_for(r"hvdtrain: epoch 1/6: ")  # an epoch at 1 rank
+    tmp = hosts.with_suffix(".new")
+    tmp.write_text("localhost:1\n127.0.0.1:1\n")
+    os.replace(tmp, hosts)
+    alone = time.monotonic() - training  # before this, the second worker did not exist
+    job.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)")
+    job.wait_for(r"hvdtrain: epoch \d/6: ")  # an epoch at 2 ranks, committed
+    first.kill()
+    code = job.finish()
+    out = job.output()
+    assert code == 0, out[-6000:]
+    m = json.loads(metrics.read_text())
+    e = m["elastic"]
+    (last,) = m["ranks"]
+    assert last["pid"] != first.pid and m["size"] == 1  # the worker that joined
+    assert [(r["reason"], r["size_before"], r["size_after"]) for r in e["resets"]] == [
+        ("hosts changed", 1, 2),
+        ("a worker failed", 2, 1),
+    ]
+    assert all(0 <= r["redone_steps"] <= 5 for r in e["resets"]), e["resets"]
+    assert len(m["history"]["loss"]) == 6 and m["optimizer_iterations"] == 6 * 40
+    assert e["commits"] >= 6 and e["last_commit"]["epoch"] == 6
+    # The job's wall time began with the first worker, before the second one existed.
+    job_wall, own = m["wall_seconds"], e["process_wall_seconds"]
+    assert job_wall - own > alone - 1, (job_wall, own, alone)
+    print(f"job {job_wall:.0f} s; the last worker's own process {own:.0f} s")
 
 
 def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):

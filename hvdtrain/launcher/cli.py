@@ -310,7 +310,7 @@ def make_config(args, environ):
     )
 
 
-def run_command(argv, env, hosts=None, grace=None, probe=None):
+def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None):
     """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
     group; returns its exit code (128+N when it died of signal N).
 
@@ -322,7 +322,8 @@ def run_command(argv, env, hosts=None, grace=None, probe=None):
     every process of its session is ended (SIGTERM, then SIGKILL 10 s later; also the ssh
     clients that mpirun puts in groups of their own): mpirun waits forever for a host
     whose network is gone. `probe()`, called after a failed job, returns {host:
-    why} for the hosts that no longer answer; those are named as lost (exit 255)."""
+    why} for the hosts that no longer answer; those are named as lost (exit 255).
+    `elastic_spec`: the job's `ElasticSpec` (see `failures.OutputFilter`)."""
     child, pending, timers, ended = [], [], [], []
 
     def forward(signum, frame):
@@ -339,7 +340,10 @@ def run_command(argv, env, hosts=None, grace=None, probe=None):
         _signal_session(child[0].pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    watch = failures.OutputFilter() if hosts is not None else None
+    watch = None
+    if hosts is not None:
+        cooldown = elastic_spec.cooldown_range if elastic_spec else None
+        watch = failures.OutputFilter(elastic=bool(elastic_spec), cooldown=cooldown)
     try:
         try:
             child.append(
@@ -435,7 +439,7 @@ def _launch(args):
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
-        return run_command(argv, {**environ, **env}, hosts)
+        return run_command(argv, {**environ, **env}, hosts, elastic_spec=spec)
     probe = None
     if remote:
 

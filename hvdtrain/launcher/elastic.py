@@ -179,6 +179,10 @@ def elastic_flags(spec):
         flags += ["--reset-limit", str(spec.reset_limit)]
     if spec.cooldown_range is not None:
         flags += ["--blacklist-cooldown-range", *map(str, spec.cooldown_range)]
+    # The driver says which host it blacklists only at INFO (`failures.OutputFilter`
+    # turns that into one line and leaves the driver's other INFO lines out; see
+    # `build_command` for the workers' own level).
+    flags += ["--log-level", "INFO"]
     return flags
 
 
@@ -265,6 +269,11 @@ def build_command(config, spec, environ, bindir="", program="horovodrun"):
     argv, env = horovodrun_command(config, environ, bindir, program)
     at = argv.index("-H")
     argv[at : at + 2] = elastic_flags(spec)
+    # `--log-level INFO` (elastic_flags) also sets HOROVOD_LOG_LEVEL on the workers, whose
+    # Horovod core would then log at INFO on every rank: they keep the level they had.
+    level = environ.get("HOROVOD_LOG_LEVEL", "WARNING")
+    command = len(config.command)
+    argv[-command:-command] = ["env", f"HOROVOD_LOG_LEVEL={level}"]
     return argv, env
 
 

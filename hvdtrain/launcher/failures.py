@@ -35,6 +35,7 @@ __all__ = [
     "explain",
     "rank_hosts",
     "ranks_on",
+    "blacklisted",
     "is_ending",
     "explain_unanswered",
     "launcher_grace_seconds",
@@ -66,6 +67,7 @@ _ENDING = re.compile(
 )
 LAUNCHER_GRACE_SECONDS = 30  # for the launcher to end after a rank did (HVDTRAIN_LAUNCHER_GRACE)
 _GRACE_ENV = "HVDTRAIN_LAUNCHER_GRACE_SECONDS"
+_BLACKLIST = re.compile(r"blacklist failing host: (\S+)")
 _LOST = re.compile(
     r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)"
     r"|peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)"
@@ -98,16 +100,24 @@ class Failure:
 
 class OutputFilter:
     """Passes the launcher's stderr through line by line, minus horovodrun's traceback
-    after a failed rank, and keeps the recent lines for `find_failure`."""
+    after a failed rank, and keeps the recent lines for `find_failure`.
 
-    def __init__(self):
+    `elastic`: the job is elastic (horovodrun `--log-level INFO`): the driver's INFO lines
+    are left out, but the one saying it blacklists a host becomes a line of hvdtrain-run's
+    (`blacklisted`), with `cooldown` the (min, max) seconds it stays out, None for good."""
+
+    def __init__(self, elastic=False, cooldown=None):
         self.seen = deque(maxlen=500)
         self._held = []  # a traceback of the launcher's own, until its last line tells
         self._tail = 0  # the lines after the Gloo error that belong to it
+        self.elastic, self.cooldown = elastic, cooldown
 
     def feed(self, line):
         """The lines to print now for `line` (read from the launcher)."""
         self.seen.append(line)
+        if self.elastic and line.startswith(("INFO:", "DEBUG:")):
+            host = _BLACKLIST.search(line)
+            return [f"hvdtrain-run: {blacklisted(host.group(1), self.cooldown)}\n"] if host else []
         if self._tail:
             if _NAME.search(line) or _CODE.search(line) or not line.strip():
                 self._tail -= 1
@@ -223,6 +233,20 @@ def explain_unanswered(down, hosts, ended_after=None):
         f"lost host {', '.join(parts)}: it no longer answers ssh ({reasons}), so its network "
         f"or the host went down during the job{ended}; the job was ended. `hvdtrain-run "
         "doctor` checks the hosts before a new launch."
+    )
+
+
+def blacklisted(host, cooldown=None):
+    """One line: elastic Horovod left `host` out after a worker there failed."""
+    if cooldown:
+        return (
+            f"host {host} is left out for {cooldown[0]}-{cooldown[1]} s: a worker there failed "
+            "and Horovod blacklists its host (--blacklist-cooldown-range)"
+        )
+    return (
+        f"host {host} is left out for the rest of this job: a worker there failed and Horovod "
+        "blacklists its host. To use it again, run the job again once the host is fixed (it "
+        "resumes from the last checkpoint)"
     )
 
 
