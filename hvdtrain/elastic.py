@@ -29,9 +29,12 @@ function starts, so a worker that joins starts from the others' state.
   traced train step is dropped, since it holds the old rate), steps per epoch, warmup steps,
   the data shards, the step within the epoch (the samples seen are kept, as for a resume on
   another number of ranks: `hvdtrain.trainer.resume_step`) and the optimizer's step. Rank 0
-  writes checkpoints and the metrics, whichever worker is rank 0 by then. With several steps
-  per execution, a commit happens at the end of the execution that passed `--commit-every`
-  steps: a failure redoes at most `--commit-every` + steps per execution - 1 steps.
+  writes checkpoints and the metrics, whichever worker is rank 0 by then; the job's record
+  (epochs' metrics, commits, resets, its start) is in the state too (`state.ledger`), so
+  the metrics describe the whole job even when written by a worker that joined late. With
+  several steps per execution, a commit happens at the end of the execution that passed
+  `--commit-every` steps: a failure redoes at most `--commit-every` + steps per execution - 1
+  steps.
 
 Horovod 0.28.1 pitfalls handled here (see README, "Elastic training"):
 
