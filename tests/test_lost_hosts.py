@@ -31,7 +31,7 @@ def mnist(hosts, hostfile, backend, ckpt, epochs):
         "hvdtrain-run", "--hostfile", str(hostfile), "--backend", backend,
         "--network-interface", "eth0", "--",
         sys.executable, "-m", "hvdtrain.mnist", "--model", "mlp", "--epochs", str(epochs),
-        "--checkpoint-dir", str(ckpt),
+        "--limit-samples", "1280", "--checkpoint-dir", str(ckpt),
     ]  # fmt: skip
 
 
@@ -141,11 +141,11 @@ def test_a_killed_host_ends_the_job_naming_it_and_a_relaunch_stops_before_starti
 
 
 # The network cut, with short timeouts: the watchdog at 2 x 10 s (MPI), Gloo's receive
-# timeout at 10 s, then hvdtrain-run's grace of 10 s (+10 s to SIGKILL) and its 5 s ssh probe.
+# timeout at 10 s, then hvdtrain-run's grace of 5 s (+10 s to SIGKILL) and its 5 s ssh probe.
 CUT_ENV = {
     "HVDTRAIN_STALL_SHUTDOWN_SECONDS": "10",
     "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
-    "HVDTRAIN_LAUNCHER_GRACE_SECONDS": "10",
+    "HVDTRAIN_LAUNCHER_GRACE_SECONDS": "5",
 }
 CUT_BOUND = 75  # README, "Fault tolerance": 2 x stall + grace + 10 s + the probe, and margin
 
