@@ -275,6 +275,22 @@ def jobs():
         job.kill()
 
 
+def discovery(hosts, first):
+    """A discovery script printing the file `hosts`, which starts as `first`."""
+    hosts.write_text(first)
+    script = hosts.with_name("discover.sh")
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    return script
+
+
+def set_hosts(hosts, text):
+    """The discovery script sees one file or the other, never half."""
+    tmp = hosts.with_suffix(".new")
+    tmp.write_text(text)
+    os.replace(tmp, hosts)
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, jobs):
     metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
@@ -334,10 +350,7 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, j
 
 def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
     metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
-    hosts.write_text("localhost:1\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    script = discovery(hosts, "localhost:1\n")
     job = Job(
         ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
          "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist",
@@ -348,9 +361,7 @@ def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
     jobs.append(job)
     job.wait_for(r"elastic: training on 1 rank\(s\)")
     joined_at = time.monotonic()
-    tmp = hosts.with_suffix(".new")
-    tmp.write_text("localhost:2\n")
-    os.replace(tmp, hosts)  # the discovery script sees one file or the other, never half
+    set_hosts(hosts, "localhost:2\n")
     job.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)")
     join_seconds = time.monotonic() - joined_at
     code = job.finish()
@@ -382,10 +393,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
     killed: the one that joined ends the job as rank 0, and its metrics describe the whole
     job (every epoch, both resets, the job's wall time), not only its own process."""
     metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
-    hosts.write_text("localhost:1\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    script = discovery(hosts, "localhost:1\n")
     job = Job(
         ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
          "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist", "--elastic",
@@ -398,9 +406,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
     training = time.monotonic()
     (first,) = job.workers()
     job.wait_for(r"hvdtrain: epoch 1/6: ")  # an epoch at 1 rank
-    tmp = hosts.with_suffix(".new")
-    tmp.write_text("localhost:1\n127.0.0.1:1\n")
-    os.replace(tmp, hosts)
+    set_hosts(hosts, "localhost:1\n127.0.0.1:1\n")
     alone = time.monotonic() - training  # before this, the second worker did not exist
     job.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)")
     job.wait_for(r"hvdtrain: epoch \d/6: ")  # an epoch at 2 ranks, committed
