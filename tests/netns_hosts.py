@@ -186,16 +186,20 @@ class NamespaceHosts:
             subprocess.run(["sleep", "0.2"])
         return proc
 
+    def pids(self, i):
+        """The pids of every process in host i's network namespace."""
+        out = _sh("ip", "netns", "pids", self.names[i], check=False).stdout
+        return [int(pid) for pid in out.split()]
+
     # -- tear-down ----------------------------------------------------------------------
     def close(self):
         for p in self._sshd:
             p.kill()
             p.wait(timeout=30)
-        for ns in self.names:
-            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
+        for i, ns in enumerate(self.names):
+            for pid in self.pids(i):
                 try:
-                    os.kill(int(pid), 9)
+                    os.kill(pid, 9)
                 except (ProcessLookupError, ValueError):
                     pass
             # The veth pair goes now: the namespace itself may outlive `del` for minutes

@@ -37,12 +37,9 @@ def mnist(hosts, hostfile, backend, ckpt, epochs):
 
 def kill_host(hosts, i):
     """SIGKILL every process of namespace host i (its sshd, the sessions, the rank)."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", hosts.names[i]], capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    for pid in pids:
+    for pid in hosts.pids(i):
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -78,10 +75,7 @@ def end(job, hosts):
     """Ends `job` and whatever it left on host 0 (but its sshd), so nothing holds its pipes."""
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
-        pids = subprocess.run(
-            ["ip", "netns", "pids", hosts.names[0]], capture_output=True, text=True, timeout=30
-        ).stdout.split()
-        for pid in set(map(int, pids)) - {hosts._sshd[0].pid}:
+        for pid in set(hosts.pids(0)) - {hosts._sshd[0].pid}:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -98,14 +92,11 @@ def hostfile_of(hosts, tmp_path):
 def training_processes(hosts, i):
     """The pids of host i's processes that run hvdtrain.mnist."""
     found = []
-    pids = subprocess.run(
-        ["ip", "netns", "pids", hosts.names[i]], capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    for pid in pids:
+    for pid in hosts.pids(i):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"hvdtrain.mnist" in f.read():
-                    found.append(int(pid))
+                    found.append(pid)
         except OSError:
             pass
     return found
