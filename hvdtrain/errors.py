@@ -15,8 +15,14 @@ __all__ = [
     "env_rank",
     "exit_with_error",
     "report_uncaught",
+    "note_ending",
+    "ENDING_DIR_ENV",
     "main",
 ]
+
+# Set by hvdtrain-run for the ranks of its own host: a folder where a rank that is ending
+# leaves its last line, so the launcher notices even when mpirun forwards nothing.
+ENDING_DIR_ENV = "HVDTRAIN_ENDING_DIR"
 
 # Everything `str.splitlines` breaks a line on, written as its escape instead.
 _LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -26,6 +32,23 @@ def one_line(text):
     """`text` with its line breaks escaped (`a\\nb`), so a message stays one line even when
     it quotes a value the user gave (a file name, a flag) that holds one."""
     return str(text).translate(str.maketrans(_LINE_BREAKS))
+
+
+def note_ending(message):
+    """Leaves `message` (this rank's last line: it is ending abnormally) in the folder of
+    `ENDING_DIR_ENV`, when that folder exists on this host. No locks: the watchdog calls it
+    while the main thread may hold one."""
+    folder = os.environ.get(ENDING_DIR_ENV)
+    if not folder:
+        return
+    try:
+        fd = os.open(os.path.join(folder, str(os.getpid())), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, message.encode("utf-8", "replace"))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # another host's rank (the folder is only on the launcher's), or a full disk
 
 
 class HvdtrainError(Exception):

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain import compat, tuning
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, note_ending
 
 __all__ = [
     "init",
@@ -252,7 +252,9 @@ def _name_failures(rank):
         else:
             first = next((line for line in str(value).splitlines() if line.strip()), "")
             text = f"failed: {kind.__name__}" + (f": {first.strip()[:300]}" if first else "")
-        print(f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}", file=sys.stderr, flush=True)
+        line = f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}"
+        note_ending(line + "\n")
+        print(line, file=sys.stderr, flush=True)
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook

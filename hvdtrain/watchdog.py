@@ -26,7 +26,7 @@ import time
 
 import tensorflow as tf
 
-from hvdtrain.errors import env_rank, invalid_value
+from hvdtrain.errors import env_rank, invalid_value, note_ending
 
 __all__ = [
     "Watchdog",
@@ -65,6 +65,7 @@ def holding(what, waiting=False):
 
 
 def _end_process(message):
+    note_ending(message)
     os.write(2, message.encode("utf-8", "replace"))  # no locks: the main thread may hold one
     os._exit(EXIT_CODE)
 

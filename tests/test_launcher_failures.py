@@ -143,3 +143,36 @@ def test_a_rank_ending_starts_the_launchers_grace_and_unanswering_hosts_are_name
     assert line.startswith(f"lost host node2 (ranks 1, 2): it no longer answers ssh ({timed_out})")
     assert "30 s after a rank ended, so hvdtrain-run ended it" in line
     assert "ended it" not in explain_unanswered({"node2": timed_out}, HOSTS)
+
+
+STUCK_LAUNCHER = """
+import os, sys, time
+from hvdtrain.launcher.cli import run_command
+# A launcher that forwards nothing and never ends (mpirun after a cut), whose local rank
+# leaves its last line before ending.
+rank = ("from hvdtrain.errors import note_ending; "
+        "note_ending('hvdtrain: rank 0 made no progress for 20 s (last: in step 3)\\\\n')")
+launcher = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {rank!r}]); "
+launcher += "time.sleep(600)"
+sys.exit(run_command([sys.executable, "-c", launcher], dict(os.environ), ["localhost"], 1))
+"""
+
+
+def test_a_rank_that_ends_unheard_still_starts_the_grace():
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", STUCK_LAUNCHER],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 128 + 15, proc.stderr  # SIGTERM, after the grace
+    assert proc.stderr.splitlines() == [
+        "hvdtrain: rank 0 made no progress for 20 s (last: in step 3)",
+        "hvdtrain-run: the launcher was still running 1 s after a rank ended; ended it",
+    ]

@@ -44,13 +44,21 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
-from hvdtrain.errors import HostUnreachable, HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.errors import (
+    ENDING_DIR_ENV,
+    HostUnreachable,
+    HvdtrainError,
+    exit_with_error,
+    invalid_value,
+)
 from hvdtrain.flags import ArgumentParser
 from hvdtrain.launcher import doctor, elastic, failures, kubernetes
 from hvdtrain.launcher.commands import (
@@ -321,10 +329,16 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     says a rank is ending (`failures.is_ending`), the launcher has that long to end before
     every process of its session is ended (SIGTERM, then SIGKILL 10 s later; also the ssh
     clients that mpirun puts in groups of their own): mpirun waits forever for a host
-    whose network is gone. `probe()`, called after a failed job, returns {host:
+    whose network is gone. The ranks of this host also leave their last line in a folder
+    (`errors.note_ending`), which starts the grace when mpirun forwards nothing.
+    `probe()`, called after a failed job, returns {host:
     why} for the hosts that no longer answer; those are named as lost (exit 255).
     `elastic_spec`: the job's `ElasticSpec` (see `failures.OutputFilter`)."""
-    child, pending, timers, ended = [], [], [], []
+    child, pending, timers, ended, notes = [], [], [], [], []
+    lock, done = threading.Lock(), threading.Event()
+    ending_dir = tempfile.mkdtemp(prefix="hvdtrain-run-") if grace and hosts else None
+    if ending_dir:
+        env = {**env, ENDING_DIR_ENV: ending_dir}
 
     def forward(signum, frame):
         if not child:  # not started yet: pass it on as soon as it is
@@ -336,8 +350,30 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             pass
 
     def end_launcher(signum):
+        with lock:  # the ranks' last lines that the launcher did not forward, once
+            unseen = [line for line in notes if line not in watch.seen]
+            watch.seen.extend(unseen)
+        if not ended:
+            sys.stderr.writelines(unseen)
+            sys.stderr.flush()
         ended[:] = [grace]
         _signal_session(child[0].pid, signum)
+
+    def start_grace():
+        with lock:
+            if timers or done.is_set():
+                return
+            for delay, signum in ((grace, signal.SIGTERM), (grace + 10, signal.SIGKILL)):
+                timers.append(threading.Timer(delay, end_launcher, (signum,)))
+                timers[-1].daemon = True
+                timers[-1].start()
+
+    def watch_ending_dir():  # each second, until a rank of this host leaves its last line
+        while not done.wait(1):
+            notes[:] = _read_notes(ending_dir)
+            if notes:
+                start_grace()
+                return
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     watch = None
@@ -360,22 +396,26 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             raise HvdtrainError(f"cannot run {argv[0]}: {e.strerror or e}") from None
         for signum in pending:
             forward(signum, None)
+        if ending_dir:
+            threading.Thread(target=watch_ending_dir, name="hvdtrain-ending", daemon=True).start()
         if watch:
             for line in child[0].stderr:
-                shown = watch.feed(line)
+                with lock:
+                    shown = watch.feed(line)
                 if not ended:  # after that: the launcher's reaction to being ended
                     sys.stderr.writelines(shown)
                     sys.stderr.flush()
-                if grace and not timers and failures.is_ending(line):
-                    for delay, signum in ((grace, signal.SIGTERM), (grace + 10, signal.SIGKILL)):
-                        timers.append(threading.Timer(delay, end_launcher, (signum,)))
-                        timers[-1].daemon = True
-                        timers[-1].start()
+                if grace and failures.is_ending(line):
+                    start_grace()
             sys.stderr.writelines(watch.flush())
         code = child[0].wait()
     finally:
+        with lock:
+            done.set()
         for timer in timers:
             timer.cancel()
+        if ending_dir:
+            shutil.rmtree(ending_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code
@@ -393,6 +433,18 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
         if line:
             print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     return code
+
+
+def _read_notes(folder):
+    """The lines the ranks left in `folder` (`errors.note_ending`), or [] (none yet)."""
+    lines = []
+    for name in sorted(os.listdir(folder)):
+        try:
+            with open(os.path.join(folder, name), errors="replace") as f:
+                lines.extend(line if line.endswith("\n") else line + "\n" for line in f)
+        except OSError:
+            pass
+    return lines
 
 
 def _signal_session(sid, signum):
