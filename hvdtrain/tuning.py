@@ -91,8 +91,14 @@ def horovod_settings(environ):
     """The variables `hvdtrain.init` sets before `hvd.init()`, of those missing from
     `environ` (pure; `environ` is only read): the short cycle only when a launcher started
     more than one rank (a single process has nothing to wait for, and the polling would
-    cost it up to a quarter of its core), the yielding MPI waits always."""
+    cost it up to a quarter of its core), the yielding MPI waits always; under Horovod
+    Elastic (HOROVOD_ELASTIC=1) no response cache: Horovod 0.28.1 keeps a worker's cache
+    across a reset (`set_capacity` clears it only when the capacity changes), so a worker
+    that trained at 2 ranks, then alone, aborts when a worker joins again (gloo
+    `pair.cc:510 op.preamble.length <= op.nbytes`)."""
     out = {}
+    if environ.get("HOROVOD_ELASTIC") == "1" and "HOROVOD_CACHE_CAPACITY" not in environ:
+        out["HOROVOD_CACHE_CAPACITY"] = "0"
     size = launcher_size(environ)
     if size and size > 1 and "HOROVOD_CYCLE_TIME" not in environ:
         out["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"

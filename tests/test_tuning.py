@@ -31,6 +31,14 @@ def test_compile_options_several_steps_per_call_at_most_an_epoch():
             {"SLURM_STEP_NUM_TASKS": "8", "OMPI_MCA_mpi_yield_when_idle": "0"},
             {"HOROVOD_CYCLE_TIME": "0.1"},
         ),
+        (  # Horovod Elastic: no response cache (a rejoin aborts with it; tuning.py)
+            {"HOROVOD_ELASTIC": "1", "HOROVOD_SIZE": "1", "OMPI_MCA_mpi_yield_when_idle": "1"},
+            {"HOROVOD_CACHE_CAPACITY": "0"},
+        ),
+        (
+            {"HOROVOD_ELASTIC": "1", "HOROVOD_CACHE_CAPACITY": "64", "HOROVOD_SIZE": "1"},
+            {"OMPI_MCA_mpi_yield_when_idle": "1"},
+        ),
     ],
 )
 def test_horovod_settings_only_where_the_user_set_nothing(environ, expected):
