@@ -105,42 +105,46 @@ class NamespaceHosts:
             _sh(*ip, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _sh(*ip, "link", "set", "eth0", "up")
             _sh(*ip, "link", "set", "lo", "up")
-            sshd = [
-                "/usr/sbin/sshd",
-                "-D",
-                "-e",
-                "-f",
-                "/dev/null",
-                "-o",
-                f"HostKey={w}/host_key",
-                "-o",
-                f"PidFile={w}/sshd{i}.pid",
-                "-o",
-                f"AuthorizedKeysFile={w}/authorized_keys",
-                "-o",
-                "PermitRootLogin=yes",
-                "-o",
-                "StrictModes=no",
-                "-o",
-                "UsePAM=no",
-                "-o",
-                f"ListenAddress={self.addresses[i]}",
-                "-o",
-                "MaxStartups=100",
-                "-o",
-                "MaxSessions=100",
-                "-o",
-                "SetEnv=PATH=" + os.path.dirname(sys.executable) + ":/usr/local/bin:/usr/bin:/bin",
-            ]
-            log = open(f"{w}/sshd{i}.log", "w")  # noqa: SIM115 (closed with the process)
-            self._sshd.append(
-                subprocess.Popen(
-                    self._in(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
+            self._sshd.append(None)
+            self.start_sshd(i)
         for i in range(self.count):  # every host reaches every host over ssh
             for j in range(self.count):
                 self.run(i, ["ssh", self.addresses[j], "true"], timeout=30, retries=20)
+
+    def start_sshd(self, i):
+        """Starts host i's sshd (again, after a test killed the host's processes)."""
+        w = self.workdir
+        sshd = [
+            "/usr/sbin/sshd",
+            "-D",
+            "-e",
+            "-f",
+            "/dev/null",
+            "-o",
+            f"HostKey={w}/host_key",
+            "-o",
+            f"PidFile={w}/sshd{i}.pid",
+            "-o",
+            f"AuthorizedKeysFile={w}/authorized_keys",
+            "-o",
+            "PermitRootLogin=yes",
+            "-o",
+            "StrictModes=no",
+            "-o",
+            "UsePAM=no",
+            "-o",
+            f"ListenAddress={self.addresses[i]}",
+            "-o",
+            "MaxStartups=100",
+            "-o",
+            "MaxSessions=100",
+            "-o",
+            "SetEnv=PATH=" + os.path.dirname(sys.executable) + ":/usr/local/bin:/usr/bin:/bin",
+        ]
+        log = open(f"{w}/sshd{i}.log", "a")  # noqa: SIM115 (closed with the process)
+        self._sshd[i] = subprocess.Popen(
+            self._in(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def _in(self, i, argv):
         """argv run inside host i: its network namespace and a UTS namespace of its own name."""
@@ -193,7 +197,7 @@ class NamespaceHosts:
 
     # -- tear-down ----------------------------------------------------------------------
     def close(self):
-        for p in self._sshd:
+        for p in filter(None, self._sshd):
             p.kill()
             p.wait(timeout=30)
         for i, ns in enumerate(self.names):

@@ -3,10 +3,14 @@ killed after the first checkpoint. The job must end within BOUND seconds of the 
 `hvdtrain-run` line naming B, no traceback, and a relaunch while B is down must stop before
 starting anything, naming B."""
 
+import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,6 +22,7 @@ pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pyt
 
 BOUND = 60  # seconds from the fault to the end of the job (README, "Fault tolerance")
 START_TIMEOUT = 300
+ELASTIC_ENV = {"HOROVOD_ELASTIC_TIMEOUT": "60", "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
 
 
 @pytest.fixture
@@ -168,3 +173,89 @@ def test_a_cut_network_ends_the_job_naming_the_host_and_nothing_runs_on(hosts, b
         time.sleep(0.5)
     print(f"{backend}: B's rank ended by itself {time.monotonic() - cut:.1f} s after the cut")
     subprocess.run([*link, "up"], check=True, timeout=30)
+
+
+class Lines:
+    """A process's output, read line by line in a thread."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern, timeout=START_TIMEOUT):
+        """The first line matching `pattern`, already seen or new (the event, not a time);
+        fails after `timeout` s or when the output ends."""
+        for line in self.lines:
+            if re.search(pattern, line):
+                return line
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+        pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
+
+    def rest(self, timeout):
+        """The exit code once the output has ended."""
+        code = self.proc.wait(timeout=timeout)
+        while (line := self._queue.get(timeout=60)) is not None:
+            self.lines.append(line)
+        return code
+
+
+def test_elastic_a_killed_host_is_left_out_then_joins_again_once_back(hosts, tmp_path):
+    """Elastic, host B's every process killed (its sshd too): the job goes on at 1 rank and
+    says B is left out for the cooldown; B comes back (its sshd again), a worker starts there
+    after the cooldown and the job ends at 2 ranks, the two with the same weights."""
+    hostfile, metrics = hostfile_of(hosts, tmp_path), tmp_path / "m.json"
+    argv = [
+        "hvdtrain-run", "--elastic", "--min-np", "1", "--hostfile", str(hostfile),
+        "--network-interface", "eth0", "--blacklist-cooldown-range", "5", "10", "--",
+        sys.executable, "-m", "hvdtrain.mnist", "--elastic", "--epochs", "16",  # the convnet:
+        "--limit-samples", "1280", "--commit-every", "5", "--metrics-json", str(metrics),  # ~2 s
+        # an epoch at 1 rank, time for the cooldown and a new worker's start
+    ]  # fmt: skip
+    job = subprocess.Popen(
+        hosts._in(0, argv),
+        env=hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2", **ELASTIC_ENV),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out = Lines(job)
+    try:
+        out.wait_for(r"elastic: training on 2 rank\(s\)")
+        out.wait_for(r"hvdtrain: epoch 1/16: ")
+        kill_host(hosts, 1)
+        fault = time.monotonic()
+        out.wait_for(r"elastic: a worker failed; 2 -> 1 rank\(s\)", BOUND)
+        reformed = time.monotonic() - fault
+        out.wait_for(rf"host {re.escape(hosts.addresses[1])} is left out for 5-10 s", BOUND)
+        hosts.start_sshd(1)  # B is back
+        out.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)", BOUND)
+        rejoined = time.monotonic() - fault
+        code = out.rest(START_TIMEOUT)
+    finally:
+        end(job, hosts)
+    text = "".join(out.lines)
+    assert code == 0, text[-6000:]
+    assert "EnforceNotMet" not in text and "Traceback" not in text, text[-6000:]
+    print(f"elastic: 1 rank {reformed:.1f} s after B was killed, 2 again {rejoined:.1f} s after")
+    m = json.loads(metrics.read_text())
+    assert m["size"] == 2 and len({r["weights_digest"] for r in m["ranks"]}) == 1
+    assert {r["hostname"] for r in m["ranks"]} == set(hosts.hostnames)
+    resets = m["elastic"]["resets"]
+    assert [r["reason"] for r in resets] == ["a worker failed", "hosts changed"]
+    for r in resets:  # the bookkeeping adds up across the rejoin (the issue saw -54, null)
+        assert r["last_commit"] is not None and 0 <= r["redone_steps"] <= 5, r
+    assert len(m["history"]["loss"]) == 16
