@@ -351,7 +351,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
 
     def end_launcher(signum):
         with lock:  # the ranks' last lines that the launcher did not forward, once
-            unseen = [line for line in notes if line not in watch.seen]
+            unseen = [n for n in notes if not any(n.strip() in s for s in watch.seen)]
             watch.seen.extend(unseen)
         if not ended:
             sys.stderr.writelines(unseen)
