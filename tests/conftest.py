@@ -1,8 +1,12 @@
 """Shared helpers: run real multi-process jobs under horovodrun (Gloo, MPI) and mpirun."""
 
 import os
+import queue
+import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -85,3 +89,50 @@ def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, hosts=None, **en
 
 def worker(name):
     return os.path.join(WORKERS, name)
+
+
+class Lines:
+    """A process's output (stdout), read line by line in a thread; `on_fail()` runs before a
+    wait fails (e.g. to kill the job)."""
+
+    def __init__(self, proc, on_fail=None):
+        self.proc, self.on_fail, self.lines, self._queue = proc, on_fail, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern, timeout=JOB_TIMEOUT, seen=False):
+        """The first new line matching `pattern` (the event, not a time), or with `seen` an
+        earlier one; fails after `timeout` s or when the output ends."""
+        for line in self.lines if seen else ():
+            if re.search(pattern, line):
+                return line
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+        if self.on_fail:
+            self.on_fail()
+        pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
+
+    def rest(self, timeout=JOB_TIMEOUT):
+        """The exit code, once the process and its output have ended."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if self.on_fail:
+                self.on_fail()
+            pytest.fail("the job did not end:\n" + "".join(self.lines[-60:]))
+        while (line := self._queue.get(timeout=60)) is not None:
+            self.lines.append(line)
+        return code

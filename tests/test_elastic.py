@@ -10,17 +10,14 @@ host ends; the kill test therefore runs its two workers as two hosts of this mac
 import argparse
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
 import pytest
-from conftest import ROOT, job_env, worker
+from conftest import ROOT, Lines, job_env, worker
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.launcher import cli
@@ -206,44 +203,17 @@ class Job:
             start_new_session=True,
         )
         self.start = time.monotonic()
-        self.lines, self._queue = [], queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, pattern, timeout=JOB_TIMEOUT):
-        """The first new line matching `pattern`: waits for the event, not for a time."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return line
-        self.kill()
-        pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
+        self.out = Lines(self.proc, on_fail=self.kill)
+        self.wait_for = self.out.wait_for  # new lines only: waits for the event, not a time
 
     def finish(self, timeout=JOB_TIMEOUT):
         """Waits for the end of the job and its output; returns the exit code."""
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail("the elastic job did not end:\n" + "".join(self.lines[-60:]))
-        while (line := self._queue.get(timeout=60)) is not None:
-            self.lines.append(line)
+        code = self.out.rest(timeout)
         self.seconds = time.monotonic() - self.start
         return code
 
     def output(self):
-        return "".join(self.lines)
+        return "".join(self.out.lines)
 
     def workers(self):
         """The training processes of this job (python -m hvdtrain.mnist, with our marker)."""

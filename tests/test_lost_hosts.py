@@ -5,16 +5,14 @@ starting anything, naming B."""
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Lines
 from netns_hosts import NamespaceHosts, cannot_make_namespaces
 
 why_not = cannot_make_namespaces()
@@ -175,45 +173,6 @@ def test_a_cut_network_ends_the_job_naming_the_host_and_nothing_runs_on(hosts, b
     subprocess.run([*link, "up"], check=True, timeout=30)
 
 
-class Lines:
-    """A process's output, read line by line in a thread."""
-
-    def __init__(self, proc):
-        self.proc, self.lines, self._queue = proc, [], queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, pattern, timeout=START_TIMEOUT):
-        """The first line matching `pattern`, already seen or new (the event, not a time);
-        fails after `timeout` s or when the output ends."""
-        for line in self.lines:
-            if re.search(pattern, line):
-                return line
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return line
-        pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
-
-    def rest(self, timeout):
-        """The exit code once the output has ended."""
-        code = self.proc.wait(timeout=timeout)
-        while (line := self._queue.get(timeout=60)) is not None:
-            self.lines.append(line)
-        return code
-
-
 def test_elastic_a_killed_host_is_left_out_then_joins_again_once_back(hosts, tmp_path):
     """Elastic, host B's every process killed (its sshd too): the job goes on at 1 rank and
     says B is left out for the cooldown; B comes back (its sshd again), a worker starts there
@@ -234,13 +193,13 @@ def test_elastic_a_killed_host_is_left_out_then_joins_again_once_back(hosts, tmp
     )  # fmt: skip
     out = Lines(job)
     try:
-        out.wait_for(r"elastic: training on 2 rank\(s\)")
-        out.wait_for(r"hvdtrain: epoch 1/16: ")
+        out.wait_for(r"elastic: training on 2 rank\(s\)", START_TIMEOUT)
+        out.wait_for(r"hvdtrain: epoch 1/16: ", START_TIMEOUT)
         kill_host(hosts, 1)
         fault = time.monotonic()
         out.wait_for(r"elastic: a worker failed; 2 -> 1 rank\(s\)", BOUND)
         reformed = time.monotonic() - fault
-        out.wait_for(rf"host {re.escape(hosts.addresses[1])} is left out for 5-10 s", BOUND)
+        out.wait_for(rf"host {re.escape(hosts.addresses[1])} is left out for 5-10 s", BOUND, True)
         hosts.start_sshd(1)  # B is back
         out.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)", BOUND)
         rejoined = time.monotonic() - fault
