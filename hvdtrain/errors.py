@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import socket
 import sys
 import time
 
@@ -17,12 +18,16 @@ __all__ = [
     "report_uncaught",
     "note_ending",
     "ENDING_DIR_ENV",
+    "ENDING_HOST_ENV",
     "main",
 ]
 
-# Set by hvdtrain-run for the ranks of its own host: a folder where a rank that is ending
-# leaves its last line, so the launcher notices even when mpirun forwards nothing.
+# Set by hvdtrain-run: a folder where a rank of its own host (ENDING_HOST_ENV, the host's
+# name) that is ending leaves its last line, so the launcher notices even when mpirun
+# forwards nothing. Ranks of other hosts get the variables too (mpirun -x) and leave nothing,
+# also where the folder's path exists there (a shared /tmp).
 ENDING_DIR_ENV = "HVDTRAIN_ENDING_DIR"
+ENDING_HOST_ENV = "HVDTRAIN_ENDING_HOST"
 
 # Everything `str.splitlines` breaks a line on, written as its escape instead.
 _LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -36,10 +41,10 @@ def one_line(text):
 
 def note_ending(message):
     """Leaves `message` (this rank's last line: it is ending abnormally) in the folder of
-    `ENDING_DIR_ENV`, when that folder exists on this host. No locks: the watchdog calls it
+    `ENDING_DIR_ENV`, when this is hvdtrain-run's host. No locks: the watchdog calls it
     while the main thread may hold one."""
     folder = os.environ.get(ENDING_DIR_ENV)
-    if not folder:
+    if not folder or os.environ.get(ENDING_HOST_ENV) != socket.gethostname():
         return
     try:
         fd = os.open(os.path.join(folder, str(os.getpid())), os.O_WRONLY | os.O_CREAT, 0o600)
@@ -48,7 +53,7 @@ def note_ending(message):
         finally:
             os.close(fd)
     except OSError:
-        pass  # another host's rank (the folder is only on the launcher's), or a full disk
+        pass  # the folder is gone (the launcher ended), or a full disk
 
 
 class HvdtrainError(Exception):

@@ -176,3 +176,19 @@ def test_a_rank_that_ends_unheard_still_starts_the_grace():
         "hvdtrain: rank 0 made no progress for 20 s (last: in step 3)",
         "hvdtrain-run: the launcher was still running 1 s after a rank ended; ended it",
     ]
+
+
+def test_only_the_launchers_host_leaves_its_last_line(tmp_path, monkeypatch):
+    """Ranks of other hosts get the variables too (mpirun -x); where they see the folder
+    (a shared /tmp, as the namespace test hosts have), they still leave nothing."""
+    import socket
+
+    from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, note_ending
+
+    monkeypatch.setenv(ENDING_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(ENDING_HOST_ENV, "another-host")
+    note_ending("hvdtrain: rank 1 made no progress\n")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(ENDING_HOST_ENV, socket.gethostname())
+    note_ending("hvdtrain: rank 0 made no progress\n")
+    assert [p.read_text() for p in tmp_path.iterdir()] == ["hvdtrain: rank 0 made no progress\n"]

@@ -54,6 +54,7 @@ import threading
 
 from hvdtrain.errors import (
     ENDING_DIR_ENV,
+    ENDING_HOST_ENV,
     HostUnreachable,
     HvdtrainError,
     exit_with_error,
@@ -338,7 +339,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     lock, done = threading.Lock(), threading.Event()
     ending_dir = tempfile.mkdtemp(prefix="hvdtrain-run-") if grace and hosts else None
     if ending_dir:
-        env = {**env, ENDING_DIR_ENV: ending_dir}
+        env = {**env, ENDING_DIR_ENV: ending_dir, ENDING_HOST_ENV: socket.gethostname()}
 
     def forward(signum, frame):
         if not child:  # not started yet: pass it on as soon as it is
