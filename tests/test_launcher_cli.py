@@ -154,16 +154,27 @@ def test_dry_run_hostfile_sets_np(tmp_path):
     assert "-np 5 -H node1:4,node2:2 " in dry("--hostfile", str(hostfile), "-np", "5", "true")
 
 
+GH_PAT = "ghp_" + "A1b2C3d4E5" * 3 + "F6g7H8"  # a GitHub token's shape (36 after ghp_)
+
+
 def test_secrets_are_never_printed():
     env = clean_env(HOROVOD_SECRET_KEY="s3cr3t-env", MY_API_TOKEN="t0ken-env")
     args = ["-x", "MY_API_TOKEN", "-x", "DB_PASSWORD=pa55-arg", "-x", "PLAIN=visible"]
+    # Whatever the name: a URL's password, a token of a well-known shape (the cases).
+    args += ["-x", "MLFLOW_TRACKING_URI=https://user:pa55-url@mlflow.example:5000"]
+    mpi_args = f"--mpi-args=-x GH_PAT={GH_PAT} -x STORE=s3://ak:pa55-mpi@bucket/x"
     command = ["python", "t.py", "--api-key", "k3y-arg", "--token=t0k-arg"]
     for backend in ("gloo", "mpirun"):
-        proc = run("--dry-run", "--backend", backend, *args, "--", *command, env=env)
+        extra = [mpi_args] if backend == "mpirun" else []
+        proc = run("--dry-run", "--backend", backend, *args, *extra, "--", *command, env=env)
         assert proc.returncode == 0, proc.stderr
-        for secret in ("s3cr3t-env", "t0ken-env", "pa55-arg", "k3y-arg", "t0k-arg"):
+        for secret in ("s3cr3t-env", "t0ken-env", "pa55-arg", "k3y-arg", "t0k-arg", "pa55-url"):
             assert secret not in proc.stdout + proc.stderr
         assert "PLAIN=visible" in proc.stdout
+        assert "https://user:***@mlflow.example:5000" in proc.stdout
+        if extra:
+            assert GH_PAT[4:] not in proc.stdout + proc.stderr and "pa55-mpi" not in proc.stdout
+            assert "GH_PAT=***" in proc.stdout and "s3://ak:***@bucket/x" in proc.stdout
 
 
 @pytest.mark.timeout(120)
@@ -174,12 +185,14 @@ def test_exports_reach_the_ranks_but_are_not_echoed():
     check += " && echo rank-ok"
     proc = run(
         "-np", "1", "--backend", "mpirun", "-x", "API_KEY=z3cret", "-x", "PLAIN=1",
-        "--", "sh", "-c", check, timeout=JOB_TIMEOUT,
+        f"--mpi-args=-x GH_PAT={GH_PAT} -x URI=https://u:z3cretpw@h", "--", "sh", "-c", check,
+        timeout=JOB_TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank-ok" in proc.stdout
     assert proc.stderr.startswith("hvdtrain-run: ") and "API_KEY=***" in proc.stderr
-    assert "z3cret" not in proc.stderr
+    assert "z3cret" not in proc.stderr and GH_PAT[4:] not in proc.stderr
+    assert "GH_PAT=***" in proc.stderr and "URI=https://u:***@h" in proc.stderr
 
 
 # Errors: one line, exit 2, no traceback.

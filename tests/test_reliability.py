@@ -10,12 +10,14 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 from conftest import run_job, worker
 
 MNIST = ["-m", "hvdtrain.mnist", "--limit-samples", "512", "--progress", "off"]
 RECIPE = worker("recipe.py")
+STARTUP = 60  # seconds for 2 ranks to start (TensorFlow's import) on a loaded machine
 
 
 def strict_json(path):
@@ -129,7 +131,9 @@ def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
     """Before the first collective (in the user's data function), rank 1 never returns.
     Gloo: the run's watchdog, started at set-up, ends it after 10 stall times (here 3 s
     each); it names itself before the waiting rank 0 gives up (12 stall times). MPI:
-    Horovod's stall shutdown acts first (after one stall time), marking rank 1 with `!`."""
+    Horovod's stall shutdown acts first (after one stall time), marking rank 1 with `!`.
+    The whole job is bounded: 12 stall times (36 s) after the set-up began, and the start."""
+    since = time.monotonic()
     proc = run_job(
         2,
         backend,
@@ -144,6 +148,8 @@ def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
     else:
         assert "1!: [HorovodAllgather]" in text and "rank 0 stopped: Horovod was shut down" in text
     assert os.listdir(tmp_path / "ckpt") == []
+    took = time.monotonic() - since
+    assert took < 36 + STARTUP, f"the stuck job took {took:.0f} s to end"
 
 
 @pytest.mark.timeout(300)
