@@ -221,18 +221,20 @@ class CheckpointManager:
     def latest(self):
         """The `Manifest` of the newest valid checkpoint (its `path` set), or None.
 
-        A damaged newer checkpoint is skipped with a warning; when there are checkpoint
-        folders but none is usable, one warning says so (`skipped` names them).
+        A damaged newer checkpoint is skipped with a warning. When there are checkpoint
+        folders but none is usable, nothing is logged: `skipped` names them and `found()`
+        says it in words, for the caller to say what it does about it (start over, refuse).
         """
         self.skipped = []
         for (epoch, step), path in self._epochs():
             manifest = self._manifest(path, epoch, step)
             if manifest is not None:
+                for name in self.skipped:
+                    log.warning(
+                        "skipping damaged checkpoint %s", os.path.join(self.directory, name)
+                    )
                 return manifest
-            log.warning("skipping damaged checkpoint %s", path)
             self.skipped.append(os.path.basename(path))
-        if self.skipped:
-            log.warning("no usable checkpoint in %s: %s", self.directory, self.found())
         return None
 
     def found(self):
@@ -268,8 +270,15 @@ class CheckpointManager:
         return manifest
 
     def restore_latest(self):
-        """`restore(latest())`: the restored checkpoint's `Manifest`, or None if none."""
+        """`restore(latest())`: the restored checkpoint's `Manifest`, or None if none (one
+        warning when there were checkpoint folders, none of them usable)."""
         found = self.latest()
+        if found is None and self.skipped:
+            log.warning(
+                "no usable checkpoint in %s: %s; starting from scratch",
+                self.directory,
+                self.found(),
+            )
         return self.restore(found) if found is not None else None
 
     # -- writing ------------------------------------------------------------------------

@@ -247,6 +247,13 @@ class Run:
                     "--checkpoint-dir at the run's checkpoints, or drop --require-resume to "
                     "start from scratch."
                 )
+            if found is None and self.manager.skipped:
+                self.log.warning(
+                    "no usable checkpoint in %s: %s; starting from scratch and leaving them as "
+                    "they are (--require-resume refuses to start over)",
+                    self.manager.directory,
+                    self.manager.found(),
+                )
             return found and self.manager.restore(found).to_dict()
 
         saved = runtime.agree(latest, root_only=True)

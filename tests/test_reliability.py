@@ -123,6 +123,14 @@ def test_require_resume_refuses_a_folder_of_damaged_checkpoints(tmp_path):
     assert f"nothing to resume from in --checkpoint-dir {ckpt}: 2 checkpoint folder(s)" in lines[0]
     assert "(epoch-9999, epoch-0002)" in lines[0]
     assert sorted(os.listdir(ckpt)) == ["epoch-0002", "epoch-9999"]
+    # Without --require-resume: one warning says so, training starts over, the folders stay.
+    proc = run_job(1, "none", [*MNIST, "--epochs", "1", "--checkpoint-dir", str(ckpt)])
+    found = [line for line in proc.stderr.splitlines() if "no usable checkpoint" in line]
+    assert len(found) == 1 and f"no usable checkpoint in {ckpt}: 2 checkpoint" in found[0], found
+    assert "(epoch-9999, epoch-0002)" in found[0] and "starting from scratch" in found[0], found
+    assert "--require-resume refuses to start over" in found[0], found
+    assert "skipping damaged" not in proc.stderr  # one line, not one per folder
+    assert sorted(os.listdir(ckpt)) == ["epoch-0001", "epoch-0002", "epoch-9999", "model.keras"]
 
 
 @pytest.mark.timeout(300)
