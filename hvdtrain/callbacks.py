@@ -104,9 +104,13 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
     same weights (the gradients are averaged), so a NaN or infinite gradient on any rank
     makes the weights non-finite on all of them at once. The check reads the last trainable
     variable after every execution (a NaN anywhere on the loss's path reaches it within a
-    step), and the epoch's loss averaged over the ranks at each epoch's end. Put it after
-    `MetricAverageCallback` and before `CheckpointCallback`.
+    step), and the epoch's loss averaged over the ranks at each epoch's end. A weight beyond
+    `WEIGHT_LIMIT` in magnitude counts as diverged too: a huge learning rate can blow the
+    weights up to 1e30 while every ReLU dies, and the loss stays finite but meaningless. Put
+    it after `MetricAverageCallback` and before `CheckpointCallback`.
     """
+
+    WEIGHT_LIMIT = 1e10  # no trained network holds a weight near this; float32 reaches 3e38
 
     def __init__(self, steps_per_epoch, lr=None):
         super().__init__()
@@ -118,22 +122,28 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
         self._probe = variables[-1] if variables else None
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._probe is not None and not np.isfinite(self._probe.numpy()).all():
+        if self._probe is None:
+            return
+        values = np.abs(self._probe.numpy())
+        if not (values <= self.WEIGHT_LIMIT).all():  # NaN compares False
             # The optimizer's step is the global one, resumed runs included.
             epoch, step = divmod(int(self.model.optimizer.iterations) - 1, self.steps_per_epoch)
-            self._stop(f"the weights at epoch {epoch + 1}, step {step + 1}")
+            where = f"the weights at epoch {epoch + 1}, step {step + 1}"
+            if np.isfinite(values).all():
+                self._stop(f"{where} blew up (up to {values.max():.3g} in magnitude)")
+            self._stop(f"{where} became NaN or infinite")
 
     def on_epoch_end(self, epoch, logs=None):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
-            self._stop(f"the loss of epoch {epoch + 1} ({float(loss)})")
+            self._stop(f"the loss of epoch {epoch + 1} ({float(loss)}) became NaN or infinite")
 
     def _stop(self, what):
         lr = f" (now {self.lr:g})" if isinstance(self.lr, float) else ""
         raise TrainingDiverged(
-            f"training diverged: {what} became NaN or infinite; stopped on every rank, no "
-            f"checkpoint written after it (the newest one is kept). Lower --lr{lr}, lengthen "
-            "--warmup-epochs, or check the data and the loss for NaN or infinite values."
+            f"training diverged: {what}; stopped on every rank, no checkpoint written after "
+            f"it (the newest one is kept). Lower --lr{lr}, lengthen --warmup-epochs, or check "
+            "the data and the loss for NaN or infinite values."
         )
 
 

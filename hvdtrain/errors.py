@@ -74,8 +74,8 @@ class HvdtrainError(Exception):
 
 
 class TrainingDiverged(HvdtrainError):
-    """The loss or the weights became NaN or infinite: every rank stops at the same step,
-    nothing is checkpointed after it. Exit status 3."""
+    """The loss or the weights became NaN or infinite, or the weights blew up: every rank
+    stops at the same step, nothing is checkpointed after it. Exit status 3."""
 
     exit_code = 3
 

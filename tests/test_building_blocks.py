@@ -83,3 +83,30 @@ def test_evaluate_follows_the_compiled_loss_and_metrics(loss, metrics, labels):
     assert got["samples"] == 203 and set(got) == set(expected) | {"samples"}
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, rel=1e-5), k
+
+
+@pytest.mark.parametrize(
+    ("lr", "x", "words"),
+    [
+        (1e30, 1.0, "the weights at epoch 1, step 1 blew up (up to "),
+        (0.01, float("nan"), "the weights at epoch 1, step 1 became NaN or infinite"),
+        (0.01, 1.0, None),  # trains: nothing said
+    ],
+)
+def test_divergence_stops_on_nan_infinite_or_blown_up_weights(lr, x, words):
+    """A huge learning rate blows the weights up to 1e30 and the loss can stay finite (every
+    ReLU dead): that is divergence too, as NaN or infinite weights are."""
+    from hvdtrain.callbacks import DivergenceCallback
+    from hvdtrain.errors import TrainingDiverged
+
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(lr), "mse")
+    data = np.full((8, 3), x, np.float32), np.ones((8, 1), np.float32)
+    fit = lambda: model.fit(*data, batch_size=4, callbacks=[DivergenceCallback(2)], verbose=0)  # noqa: E731
+    if words is None:
+        fit()
+        return
+    with pytest.raises(TrainingDiverged) as caught:
+        fit()
+    assert str(caught.value).startswith(f"training diverged: {words}")
+    assert "; stopped on every rank, no checkpoint written after it" in str(caught.value)
