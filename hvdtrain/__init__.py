@@ -25,7 +25,7 @@ import os
 
 __version__ = "0.1.0"
 
-from hvdtrain import compat  # noqa: E402  (standard library only; no TensorFlow)
+from hvdtrain import compat, startup  # noqa: E402  (standard library only; no TensorFlow)
 from hvdtrain.errors import report_uncaught  # noqa: E402
 
 # Keras 2 (tf_keras) for tf.keras from TensorFlow 2.16 on: Horovod has no Keras 3 path. It must
@@ -34,8 +34,10 @@ from hvdtrain.errors import report_uncaught  # noqa: E402
 if compat.legacy_keras_needed(compat.tensorflow_version()):
     os.environ.setdefault(compat.LEGACY_KERAS, "1")
 # TensorFlow's start-up noise (oneDNN, CPU features, absl) off unless asked for: set
-# TF_CPP_MIN_LOG_LEVEL=0 to see it again. Errors still show.
+# TF_CPP_MIN_LOG_LEVEL=0 to see it again. Errors still show. What TensorFlow 2.21 logs while
+# it loads, whatever the level, is left out of its import (`hvdtrain.startup`).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+startup.quiet_tensorflow_import()
 report_uncaught()  # a user mistake in a script prints one line, not a traceback
 
 _EXPORTS = {

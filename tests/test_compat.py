@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ours
 
 from hvdtrain.compat import keras_problem, legacy_keras_needed
 
@@ -73,7 +74,78 @@ def test_keras3_fixed_before_hvdtrain_is_one_clear_error(tmp_path, legacy):
         **env,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in ours(proc.stderr) if line.strip()]  # TensorFlow came first
     assert len(lines) == 1 and lines[0].startswith("train.py: error: tf.keras is Keras 3"), lines
     assert "Set TF_USE_LEGACY_KERAS=1" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+# -- TensorFlow's start-up noise (hvdtrain.startup) ----------------------------------------
+ABSL = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+ONEDNN = (
+    "I0000 00:00:1795511589.155556   31604 port.cc:153] oneDNN custom operations are on. You "
+    "may see slightly different numerical results due to floating-point round-off errors"
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "noise"),
+    [
+        (ABSL, True),
+        (ONEDNN + "\n", True),
+        (f"[1]<stderr>:{ONEDNN}", True),  # as horovodrun forwards it
+        (f"[1,0]<stderr>:{ABSL}", True),  # as mpirun --tag-output does
+        ("I0000 00:00:1.2   31604 cpu_feature_guard.cc:227] This TensorFlow binary", False),
+        ("WARNING: something else", False),
+        (f"hvdtrain: epoch 1/2: {ONEDNN}", False),
+        ("E0000 00:00:1.2   31604 port.cc:153] oneDNN custom operations are on. x", False),
+    ],
+)
+def test_startup_noise_is_only_those_two_lines(line, noise):
+    from hvdtrain.startup import is_startup_noise
+
+    assert is_startup_noise(line) is noise
+
+
+NOISY_MODULE = f"""
+import os, sys
+os.write(2, b"kept: before\\n{ABSL}\\n")
+print("kept: from Python", file=sys.stderr, flush=True)
+os.write(2, b"{ONEDNN}\\nkept: after\\n")
+"""
+
+
+def test_a_hooked_import_keeps_every_line_but_the_noise(tmp_path):
+    """A stand-in for TensorFlow that writes to file descriptor 2 while it loads, as its C++
+    does: its noise is left out, every other line kept in order, and the module keeps its
+    own loader; an import that fails still shows what it wrote."""
+    (tmp_path / "noisy.py").write_text(NOISY_MODULE)
+    (tmp_path / "broken.py").write_text(NOISY_MODULE + "raise ImportError('broken')\n")
+    script = (
+        f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom hvdtrain import startup\n"
+        "for name in ('noisy', 'broken'):\n"
+        "    assert startup.quiet_tensorflow_import({'TF_CPP_MIN_LOG_LEVEL': '2'}, name)\n"
+        "import noisy\n"
+        "print(type(noisy.__loader__).__name__)\n"
+        "try:\n"
+        "    import broken\n"
+        "except ImportError as e:\n"
+        "    print('failed:', e)\n"
+    )
+    proc = run_script(tmp_path, script)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["SourceFileLoader", "failed: broken"]
+    assert proc.stderr.splitlines() == ["kept: before", "kept: from Python", "kept: after"] * 2
+
+
+def test_tensorflow_imported_after_hvdtrain_is_quiet_unless_asked(tmp_path):
+    """Real TensorFlow (its noise shows on CPUs where oneDNN is on): nothing on stderr after
+    `import hvdtrain`; with TF_CPP_MIN_LOG_LEVEL=0 nothing is hooked."""
+    script = "import hvdtrain\nimport tensorflow as tf\nprint(tf.constant(2).numpy())\n"
+    proc = run_script(tmp_path, script)
+    assert proc.returncode == 0 and proc.stdout == "2\n", proc.stderr
+    assert proc.stderr == ""
+    from hvdtrain.startup import quiet_tensorflow_import
+
+    assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "0"}, "not_imported_yet")
+    assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "2"}, "os")  # imported

@@ -77,6 +77,24 @@ def filtered(text):
     return "".join(out + f.flush()), f
 
 
+def test_tensorflows_start_up_noise_is_left_out_unless_asked_for():
+    """horovodrun's build checks import TensorFlow, and so may ranks before hvdtrain: on
+    CPUs where oneDNN is on, each prints these lines whatever TF_CPP_MIN_LOG_LEVEL says."""
+    absl = "WARNING: All log messages before absl::InitializeLog() is called are written to "
+    absl += "STDERR\n"
+    onednn = "I0000 00:00:1795.5 31604 port.cc:153] oneDNN custom operations are on. You may\n"
+    text = absl + onednn + f"[1]<stderr>:{absl}[1,0]<stderr>:{onednn}[0]<stderr>:hvdtrain: x\n"
+    assert filtered(text)[0] == "[0]<stderr>:hvdtrain: x\n"
+    loud = OutputFilter(quiet=False)  # TF_CPP_MIN_LOG_LEVEL=0
+    assert [p for line in text.splitlines(keepends=True) for p in loud.feed(line)] == [
+        absl,
+        onednn,
+        f"[1]<stderr>:{absl}",
+        f"[1,0]<stderr>:{onednn}",
+        "[0]<stderr>:hvdtrain: x\n",
+    ]
+
+
 def test_rank_hosts_fill_host_by_host():
     assert HOSTS == ["node1", "node2", "node2"]
 

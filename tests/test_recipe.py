@@ -15,7 +15,7 @@ import os
 import socket
 
 import pytest
-from conftest import run_job, worker
+from conftest import ours, run_job, worker
 
 RECIPE = worker("recipe.py")
 _spec = importlib.util.spec_from_file_location("recipe", RECIPE)
@@ -175,4 +175,4 @@ def test_a_user_scripts_mistakes_are_one_line_and_exit_2(flags, message):
     assert len(lines) == 1 and lines[0].endswith(f"recipe.py: error: {message}"), proc.stderr
     assert "Traceback" not in proc.stderr
     alone = run_job(1, "none", [RECIPE, *flags], check=False)
-    assert alone.returncode == 2 and alone.stderr.strip() == f"recipe.py: error: {message}"
+    assert alone.returncode == 2 and ours(alone.stderr) == [f"recipe.py: error: {message}"]

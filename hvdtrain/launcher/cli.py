@@ -380,7 +380,8 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     watch = None
     if hosts is not None:
         cooldown = elastic_spec.cooldown_range if elastic_spec else None
-        watch = failures.OutputFilter(elastic=bool(elastic_spec), cooldown=cooldown)
+        quiet = env.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
+        watch = failures.OutputFilter(bool(elastic_spec), cooldown, quiet)
     try:
         try:
             child.append(

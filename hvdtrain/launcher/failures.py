@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hvdtrain.errors import invalid_value
+from hvdtrain.startup import is_startup_noise
 
 __all__ = [
     "Failure",
@@ -104,16 +105,20 @@ class OutputFilter:
 
     `elastic`: the job is elastic (horovodrun `--log-level INFO`): the driver's INFO lines
     are left out, but the one saying it blacklists a host becomes a line of hvdtrain-run's
-    (`blacklisted`), with `cooldown` the (min, max) seconds it stays out, None for good."""
+    (`blacklisted`), with `cooldown` the (min, max) seconds it stays out, None for good.
+    `quiet`: TensorFlow's start-up noise is left out (`hvdtrain.startup`: from horovodrun's
+    own build checks, and from ranks that import TensorFlow before hvdtrain)."""
 
-    def __init__(self, elastic=False, cooldown=None):
+    def __init__(self, elastic=False, cooldown=None, quiet=True):
         self.seen = deque(maxlen=500)
         self._held = []  # a traceback of the launcher's own, until its last line tells
         self._tail = 0  # the lines after the Gloo error that belong to it
-        self.elastic, self.cooldown = elastic, cooldown
+        self.elastic, self.cooldown, self.quiet = elastic, cooldown, quiet
 
     def feed(self, line):
         """The lines to print now for `line` (read from the launcher)."""
+        if self.quiet and is_startup_noise(line):
+            return []
         self.seen.append(line)
         if self.elastic and line.startswith(("INFO:", "DEBUG:")):
             host = _BLACKLIST.search(line)
