@@ -41,7 +41,8 @@ def run_script(tmp_path, source, **env):
     script = tmp_path / "train.py"
     script.write_text(source)
     environ = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT, **env)
+    environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    environ.update(env)
     return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
     )
@@ -118,13 +119,15 @@ os.write(2, b"{ONEDNN}\\nkept: after\\n")
 def test_a_hooked_import_keeps_every_line_but_the_noise(tmp_path):
     """A stand-in for TensorFlow that writes to file descriptor 2 while it loads, as its C++
     does: its noise is left out, every other line kept in order, and the module keeps its
-    own loader; an import that fails still shows what it wrote."""
+    own loader; an import that fails still shows what it wrote; a check that it is there
+    (`find_spec`, as some libraries make) leaves the hook for the import itself."""
     (tmp_path / "noisy.py").write_text(NOISY_MODULE)
     (tmp_path / "broken.py").write_text(NOISY_MODULE + "raise ImportError('broken')\n")
     script = (
-        f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom hvdtrain import startup\n"
+        "import importlib.util\nfrom hvdtrain import startup\n"
         "for name in ('noisy', 'broken'):\n"
         "    assert startup.quiet_tensorflow_import({'TF_CPP_MIN_LOG_LEVEL': '2'}, name)\n"
+        "assert importlib.util.find_spec('noisy') is not None\n"
         "import noisy\n"
         "print(type(noisy.__loader__).__name__)\n"
         "try:\n"
@@ -138,14 +141,33 @@ def test_a_hooked_import_keeps_every_line_but_the_noise(tmp_path):
     assert proc.stderr.splitlines() == ["kept: before", "kept: from Python", "kept: after"] * 2
 
 
+def test_a_process_that_dies_while_importing_loses_no_line(tmp_path):
+    """TensorFlow aborts on a CPU it cannot use, after saying why: the filter process
+    outlives the importing one and passes the reason on."""
+    (tmp_path / "dying.py").write_text(NOISY_MODULE + "os.write(2, b'kept: why\\n'); os.abort()\n")
+    script = (
+        "from hvdtrain import startup\n"
+        "assert startup.quiet_tensorflow_import({'TF_CPP_MIN_LOG_LEVEL': '2'}, 'dying')\n"
+        "import dying\n"
+    )
+    proc = run_script(tmp_path, script)
+    assert proc.returncode == -6, proc.stderr  # SIGABRT
+    assert proc.stderr.splitlines() == [
+        "kept: before",
+        "kept: from Python",
+        "kept: after",
+        "kept: why",
+    ]
+
+
 def test_tensorflow_imported_after_hvdtrain_is_quiet_unless_asked(tmp_path):
     """Real TensorFlow (its noise shows on CPUs where oneDNN is on): nothing on stderr after
     `import hvdtrain`; with TF_CPP_MIN_LOG_LEVEL=0 nothing is hooked."""
+    from hvdtrain.startup import is_startup_noise, quiet_tensorflow_import
+
     script = "import hvdtrain\nimport tensorflow as tf\nprint(tf.constant(2).numpy())\n"
     proc = run_script(tmp_path, script)
     assert proc.returncode == 0 and proc.stdout == "2\n", proc.stderr
-    assert proc.stderr == ""
-    from hvdtrain.startup import quiet_tensorflow_import
-
+    assert not [line for line in proc.stderr.splitlines() if is_startup_noise(line)], proc.stderr
     assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "0"}, "not_imported_yet")
     assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "2"}, "os")  # imported
