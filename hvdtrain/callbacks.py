@@ -110,7 +110,9 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
     it after `MetricAverageCallback` and before `CheckpointCallback`.
     """
 
-    WEIGHT_LIMIT = 1e10  # no trained network holds a weight near this; float32 reaches 3e38
+    # Beyond this, a weight's square overflows float32 (3.4e38): no sensible model gets there
+    # (targets of 1e10, a bias of 1e10, are far below it).
+    WEIGHT_LIMIT = 1e19
 
     def __init__(self, steps_per_epoch, lr=None):
         super().__init__()
@@ -130,7 +132,10 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
             epoch, step = divmod(int(self.model.optimizer.iterations) - 1, self.steps_per_epoch)
             where = f"the weights at epoch {epoch + 1}, step {step + 1}"
             if np.isfinite(values).all():
-                self._stop(f"{where} blew up (up to {values.max():.3g} in magnitude)")
+                self._stop(
+                    f"{where} blew up (up to {values.max():.3g} in magnitude, beyond "
+                    f"{self.WEIGHT_LIMIT:g}: float32 overflows on its square)"
+                )
             self._stop(f"{where} became NaN or infinite")
 
     def on_epoch_end(self, epoch, logs=None):
@@ -143,7 +148,7 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
         raise TrainingDiverged(
             f"training diverged: {what}; stopped on every rank, no checkpoint written after "
             f"it (the newest one is kept). Lower --lr{lr}, lengthen --warmup-epochs, or check "
-            "the data and the loss for NaN or infinite values."
+            "the data and the loss (NaN or infinite values, inputs or targets not scaled)."
         )
 
 

@@ -309,7 +309,8 @@ class Run:
             metrics.MetricAverageCallback(
                 evaluate_fn=self.evaluate if self.data.has_test else None
             ),
-            # Every rank stops together on a NaN or infinite loss, before any checkpoint.
+            # Every rank stops together on NaN, infinite or blown-up weights or loss, before
+            # any checkpoint.
             cb.DivergenceCallback(steps, self.lr_base()),
             self.throughput,
             *self.user_callbacks,

@@ -102,11 +102,11 @@ def test_divergence_stops_on_nan_infinite_or_blown_up_weights(lr, x, words):
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     model.compile(tf.keras.optimizers.SGD(lr), "mse")
     data = np.full((8, 3), x, np.float32), np.ones((8, 1), np.float32)
-    fit = lambda: model.fit(*data, batch_size=4, callbacks=[DivergenceCallback(2)], verbose=0)  # noqa: E731
+    callbacks = [DivergenceCallback(2)]
     if words is None:
-        fit()
+        model.fit(*data, batch_size=4, callbacks=callbacks, verbose=0)
         return
     with pytest.raises(TrainingDiverged) as caught:
-        fit()
+        model.fit(*data, batch_size=4, callbacks=callbacks, verbose=0)
     assert str(caught.value).startswith(f"training diverged: {words}")
     assert "; stopped on every rank, no checkpoint written after it" in str(caught.value)
