@@ -29,8 +29,11 @@ def _environ_per_module():
     test hung in the whole suite only. Within a module, `job_env` leaves them out."""
     saved = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
+    for name in set(os.environ) - set(saved):  # only what changed: threads may read it
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def tf_version():

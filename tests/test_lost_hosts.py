@@ -232,6 +232,9 @@ def test_elastic_a_killed_host_is_left_out_and_joins_again_only_after_a_cooldown
         hosts.start_sshd(1)  # B is back
         if cooldown:
             out.wait_for(r"elastic: hosts changed; 1 -> 2 rank\(s\)", BOUND)
+        else:  # the job goes on with B back (Horovod looks for hosts every second)
+            for _ in range(2):
+                out.wait_for(rf"hvdtrain: epoch \d+/{epochs}: ", BOUND)
         rejoined = time.monotonic() - fault
         code = out.rest(START_TIMEOUT)
     finally:

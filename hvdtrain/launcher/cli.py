@@ -381,7 +381,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     if hosts is not None:
         cooldown = elastic_spec.cooldown_range if elastic_spec else None
         quiet = env.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
-        watch = failures.OutputFilter(bool(elastic_spec), cooldown, quiet)
+        watch = failures.OutputFilter(elastic=bool(elastic_spec), cooldown=cooldown, quiet=quiet)
     try:
         try:
             child.append(
