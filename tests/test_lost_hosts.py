@@ -249,6 +249,8 @@ def test_elastic_a_killed_host_is_left_out_and_joins_again_only_after_a_cooldown
     resets = m["elastic"]["resets"]
     for r in resets:  # the bookkeeping adds up across the rejoin (the issue saw -54, null)
         assert r["last_commit"] is not None and 0 <= r["redone_steps"] <= 5, r
+    said = [int(n) for n in re.findall(r"(-?\d+) step\(s\) to do again", text)]
+    assert said == [r["redone_steps"] for r in resets], said  # the log says the same
     if not cooldown:  # B left out for good, though back: the job ends where it re-formed
         assert m["size"] == 1 and [r["reason"] for r in resets] == ["a worker failed"]
         assert [r["hostname"] for r in m["ranks"]] == [hosts.hostnames[0]]
