@@ -130,13 +130,13 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
         if not (values <= self.WEIGHT_LIMIT).all():  # NaN compares False
             # The optimizer's step is the global one, resumed runs included.
             epoch, step = divmod(int(self.model.optimizer.iterations) - 1, self.steps_per_epoch)
-            where = f"the weights at epoch {epoch + 1}, step {step + 1}"
-            if np.isfinite(values).all():
-                self._stop(
-                    f"{where} blew up (up to {values.max():.3g} in magnitude, beyond "
-                    f"{self.WEIGHT_LIMIT:g}: float32 overflows on its square)"
-                )
-            self._stop(f"{where} became NaN or infinite")
+            what = (
+                f"blew up (up to {values.max():.3g} in magnitude, beyond {self.WEIGHT_LIMIT:g}: "
+                "float32 overflows on its square)"
+                if np.isfinite(values).all()
+                else "became NaN or infinite"
+            )
+            self._stop(f"the weights at epoch {epoch + 1}, step {step + 1} {what}")
 
     def on_epoch_end(self, epoch, logs=None):
         loss = (logs or {}).get("loss")

@@ -26,7 +26,7 @@ import re
 import subprocess
 import sys
 
-__all__ = ["is_startup_noise", "quiet_tensorflow_import"]
+__all__ = ["is_startup_noise", "noise_unwanted", "quiet_tensorflow_import"]
 
 _NOISE = re.compile(
     r"(\[[\d,]+\]<stderr>:)?"  # as horovodrun and mpirun --tag-output forward a rank's line
@@ -49,7 +49,8 @@ def is_startup_noise(line):
     return bool(_NOISE.match(line))
 
 
-def _wanted(environ):
+def noise_unwanted(environ):
+    """Whether `environ` leaves the noise out: TF_CPP_MIN_LOG_LEVEL is set and not 0."""
     return environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
 
 
@@ -100,7 +101,7 @@ class _QuietLoader:
         if self.finder in sys.meta_path:  # the import happens: once is enough
             sys.meta_path.remove(self.finder)
         try:
-            with _noise_filtered() if _wanted(os.environ) else contextlib.nullcontext():
+            with _noise_filtered() if noise_unwanted(os.environ) else contextlib.nullcontext():
                 self.loader.exec_module(module)
         finally:  # the module keeps its own loader (resources, reloads)
             module.__loader__ = module.__spec__.loader = self.loader
@@ -133,7 +134,7 @@ def quiet_tensorflow_import(environ=None, name="tensorflow"):
     nothing when it is imported already or TF_CPP_MIN_LOG_LEVEL is 0. Returns whether it
     hooked."""
     environ = os.environ if environ is None else environ
-    if name in sys.modules or not _wanted(environ):
+    if name in sys.modules or not noise_unwanted(environ):
         return False
     if not any(isinstance(f, _QuietFinder) and f.name == name for f in sys.meta_path):
         sys.meta_path.insert(0, _QuietFinder(name))

@@ -83,6 +83,7 @@ from hvdtrain.launcher.hosts import (
     total_slots,
 )
 from hvdtrain.launcher.slurm import detect_allocation
+from hvdtrain.startup import noise_unwanted
 
 __all__ = ["main", "parse_args", "make_config", "resolve_hosts", "run_command", "k8s_main"]
 
@@ -380,7 +381,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     watch = None
     if hosts is not None:
         cooldown = elastic_spec.cooldown_range if elastic_spec else None
-        quiet = env.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
+        quiet = noise_unwanted(env)
         watch = failures.OutputFilter(elastic=bool(elastic_spec), cooldown=cooldown, quiet=quiet)
     try:
         try:
