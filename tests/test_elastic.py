@@ -8,6 +8,7 @@ host ends; the kill test therefore runs its two workers as two hosts of this mac
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -230,7 +231,8 @@ class Job:
         except ProcessLookupError:
             pass
         for p in self.workers():
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile (killpg above)
+                p.kill()
 
 
 def _env_rank(process):

@@ -1,5 +1,6 @@
 """`python -m hvdtrain.mnist` end to end: Gloo, MPI and mpirun; resume after SIGKILL; bad input."""
 
+import contextlib
 import glob
 import json
 import os
@@ -81,7 +82,8 @@ def _kill_everything_mentioning(marker, proc):
         if any(marker in a for a in (p.info["cmdline"] or []))
     ]
     for p in victims:
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile (killpg above)
+            p.kill()
     psutil.wait_procs(victims, timeout=30)
     proc.wait(timeout=30)
 
