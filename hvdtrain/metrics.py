@@ -7,9 +7,13 @@ metric keeps additive state (a total and a count, true and false positives, a co
 matrix); summing that state over the ranks gives the metric of all the data, exactly.
 """
 
+import weakref
+
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
+
+from hvdtrain.errors import invalid_value
 
 __all__ = ["weighted_mean", "evaluate", "global_results", "MetricAverageCallback"]
 
@@ -78,14 +82,16 @@ def evaluate(model, dataset, callbacks=None):
     or None when the rank has none; ranks may have different numbers of batches, so no
     collective runs until the end, when the metrics' states are summed over the ranks
     (`global_results`). Works for any loss and metric of `compile` (logits or
-    probabilities, integer or one-hot labels, regression). `callbacks` go to Keras'
-    `evaluate` (a `WatchdogCallback` keeps watching).
+    probabilities, integer or one-hot labels, regression), and for any
+    `steps_per_execution`: a stream of unknown length (files, a filter) is counted once
+    (see `sized`). `callbacks` go to Keras' `evaluate` (a `WatchdogCallback` keeps watching).
 
     Returns:
         {"loss": ..., <metric>: ..., "samples": test samples over all ranks}
     """
     model.reset_metrics()
     if dataset is not None:
+        dataset = sized(dataset, count=_steps_per_execution(model) > 1)
         try:
             model.evaluate(dataset, verbose=0, callbacks=callbacks)
         except ValueError as e:  # Keras' answer to a dataset without a single batch
@@ -94,6 +100,40 @@ def evaluate(model, dataset, callbacks=None):
     results = {"samples": 0, **global_results(model)}
     model.reset_metrics()
     return results
+
+
+_SIZED = weakref.WeakKeyDictionary()  # dataset -> the same with its length known
+
+
+def sized(dataset, count=True):
+    """`dataset` with its number of batches known to TensorFlow: as it is when TensorFlow
+    knows it, else (with `count`) counted by reading it once, remembered for the same
+    dataset object.
+
+    Keras 2 runs several steps per call only over a dataset of known length (else "Could
+    not infer the size of the data"); a stream of files or a `filter` has none. Give your
+    own dataset a length with `tf.data.experimental.assert_cardinality(n)` to skip the
+    count. An endless dataset is an error: evaluation would never end.
+    """
+    size = int(dataset.cardinality())
+    if size == tf.data.INFINITE_CARDINALITY:
+        raise invalid_value(
+            "test dataset",
+            "an endless dataset (repeat() without a count)",
+            "a finite dataset that gives each test sample once",
+        )
+    if size != tf.data.UNKNOWN_CARDINALITY or not count:
+        return dataset
+    if dataset not in _SIZED:
+        count = int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
+        _SIZED[dataset] = dataset.apply(tf.data.experimental.assert_cardinality(count))
+    return _SIZED[dataset]
+
+
+def _steps_per_execution(model):
+    """The steps per call of the model's compiled `fit`/`evaluate` (1 if it has none)."""
+    spe = getattr(model, "_steps_per_execution", None)  # Keras 2: a variable
+    return int(spe.numpy()) if spe is not None else 1
 
 
 class MetricAverageCallback(tf.keras.callbacks.Callback):

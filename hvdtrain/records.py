@@ -236,6 +236,9 @@ class FileData(Data):
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
+        # Its length, known from the counts (Keras evaluates several steps per call only over
+        # a dataset of known length); a file shorter than counted stops the job with an error.
+        ds = ds.apply(tf.data.experimental.assert_cardinality(sum(t for _, _, t in pieces)))
         if shuffle_seed is not None:
             ds = ds.shuffle(self.shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
         return ds

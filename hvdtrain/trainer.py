@@ -620,9 +620,9 @@ def _explained(error, rank):
     if isinstance(error, tf.errors.FailedPreconditionError) and "expected to contain" in text:
         got = text.split("contained only", 1)[-1].strip().split(" ")[0]
         return HvdtrainError(
-            f"rank {rank}'s training data ran out: its dataset gave {got} samples of an epoch "
-            "that needs (num_samples // ranks // batch) x batch; make `train_fn` give at least "
-            "that many (or lower num_samples)",
+            f"rank {rank}'s data ran out: a dataset gave {got} samples where the epoch needs "
+            "more; make `train_fn` give at least (num_samples // ranks // batch) x batch (or "
+            "lower num_samples), and leave data files as they were when counted",
             every_rank=False,
         )
     return error

@@ -85,6 +85,14 @@ def test_evaluate_follows_the_compiled_loss_and_metrics(loss, metrics, labels):
         assert got[k] == pytest.approx(v, rel=1e-5), k
 
 
+@pytest.mark.parametrize("spe", [1, 4])
+def test_evaluate_refuses_an_endless_dataset(spe):
+    x = np.ones((8, 3), np.float32)
+    endless = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(4)
+    with pytest.raises(hvdtrain.HvdtrainError, match="an endless dataset"):
+        hvdtrain.evaluate(_regression(spe), endless)
+
+
 @pytest.mark.parametrize(
     ("lr", "x", "words"),
     [

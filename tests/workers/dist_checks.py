@@ -72,6 +72,10 @@ res["eval_exact"] = {
     "loss": float(loss.mean()),
     "accuracy": float((logits.argmax(-1) == ye).mean()),
 }
+# The same from a stream of unknown length (a filter), 4 steps per execution: counted once.
+model.compile(optimizer, model.loss, ["accuracy"], steps_per_execution=4)
+stream = hvdtrain.eval_dataset(xe, ye, 64, rank, size).unbatch().filter(lambda x, y: True)
+res["eval_stream"] = hvdtrain.evaluate(model, stream.batch(16))
 shard = hvdtrain.shard_indices(1001, rank, size)
 res["eval_shard_mean_loss"] = float(loss[shard].mean())
 res["weighted_mean"] = hvdtrain.weighted_mean({"v": 10.0 * rank}, count=rank + 1)
