@@ -147,8 +147,9 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
     if optimizer is not None:
         optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
-    if hvd.size() > 1:
-        hvd.broadcast_variables(variables, root_rank=root_rank)
+    _by_position(
+        variables, "hvdtrain.broadcast", lambda t, name: hvd.broadcast(t, root_rank, name=name)
+    )
 
 
 def average_model_state(model):
@@ -159,8 +160,30 @@ def average_model_state(model):
     moving statistics from its own batches, so they drift apart; averaging them at the end
     of each epoch gives every rank (and rank 0's checkpoint) statistics of all the data.
     """
-    if hvd.size() == 1:
+    state = [v for v in model.non_trainable_variables if v.dtype.is_floating]
+    _by_position(
+        state, "hvdtrain.state", lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)
+    )
+
+
+def _by_position(variables, prefix, collective):
+    """Assigns `collective(tensor, name)` of `variables` to them: one call per dtype, over the
+    variables packed into one buffer, named by `prefix` and the dtype.
+
+    Horovod matches a collective across ranks by its name, and the names it makes itself come
+    from the variables' names, which come from each rank's own Keras name counter: once rank 0
+    alone has built a layer (the export of a model at the end of `hvdtrain.fit`, a callback of
+    its own), a second `fit` in the same process had `dense_4/kernel` on rank 0 and
+    `dense_2/kernel` on rank 1, and hung. Names by position cannot drift apart.
+    """
+    if hvd.size() == 1 or not variables:
         return
-    for v in model.non_trainable_variables:
-        if v.dtype.is_floating:
-            v.assign(hvd.allreduce(v, op=hvd.Average, name=f"hvdtrain.state.{v.name}"))
+    groups = {}
+    for v in variables:
+        groups.setdefault(v.dtype.name, []).append(v)
+    for dtype, group in sorted(groups.items()):
+        flat = tf.concat([tf.reshape(v, [-1]) for v in group], axis=0)
+        flat = collective(flat, f"{prefix}.{dtype}")
+        parts = tf.split(flat, [int(v.shape.num_elements()) for v in group])
+        for v, part in zip(group, parts, strict=True):
+            v.assign(tf.reshape(part, v.shape))
