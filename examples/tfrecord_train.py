@@ -3,7 +3,8 @@ trained on N processes with `hvdtrain.fit`, and resumed after a kill.
 
     horovodrun -np 2 -H localhost:2 python examples/tfrecord_train.py --checkpoint-dir ckpt
     # kill it (Ctrl-C, or a lost node) and run the same command: it resumes where the newest
-    # checkpoint left it, mid-epoch too (--checkpoint-every 20), no record skipped or repeated
+    # checkpoint left it, at an epoch end, or mid-epoch with --checkpoint-every 20 (a
+    # checkpoint every 20 steps), no record skipped or repeated
     hvdtrain-run --hostfile hosts.txt -- python examples/tfrecord_train.py --checkpoint-dir ckpt
     python examples/tfrecord_train.py --epochs 1                     # one process
 
@@ -22,7 +23,7 @@ import hvdtrain
 
 # -- settings: hvdtrain's flags with this script's defaults, plus its own ----------------
 parser = hvdtrain.ArgumentParser(
-    description=__doc__, epochs=5, batch_size=64, checkpoint_every=20
+    description=__doc__, epochs=5, batch_size=64
 )  # Horovod: --checkpoint-dir, --elastic, ... for every rank
 parser.add_argument("--data-dir", default="data/mnist-tfrecord", help="the TFRecord files")
 args = parser.parse_args()

@@ -93,8 +93,9 @@ def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
 
 def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_path):
     """examples/tfrecord_train.py: the embedded digits written as TFRecord files, a model
-    with BatchNorm trained on 2 ranks, SIGKILLed mid-epoch after its step-20 checkpoint; the
-    same command again resumes there and finishes."""
+    with BatchNorm trained on 2 ranks with `--checkpoint-every 20`, SIGKILLed mid-epoch after
+    its step-20 checkpoint; the command again, with the defaults (16 steps per execution,
+    the test set evaluated at each epoch end), resumes there and finishes."""
     import signal
     import subprocess
     import sys
@@ -107,8 +108,9 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
         "--data-dir", str(data), "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics),
         "--threads", "1", "--progress", "off",
     ]  # fmt: skip
+    every_20 = ["--checkpoint-every", "20"]
     job = subprocess.Popen(
-        argv, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv + every_20, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=ROOT, start_new_session=True,
     )  # fmt: skip
     lines = []
@@ -135,3 +137,4 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
     assert m["test_samples"] == 500 and m["test"]["accuracy"] > 0.5
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1  # BatchNorm averaged
     assert "resuming at epoch 1, step 20" in proc.stdout + proc.stderr
+    assert m["steps_per_execution"] == 16 and len(m["history"]["val_loss"]) == 2

@@ -6,14 +6,18 @@ own data, in one of hvdtrain's forms.
         --checkpoint-dir ck --metrics-json m.json [--kill-at 7]
 
 --data arrays: numpy arrays; tfrecord: DIR/train-*.tfrecord and DIR/test-*.tfrecord (written
-by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord on each host; dataset: a tf.data
-pipeline made per rank and epoch. --kill-at N: rank 1 SIGKILLs itself after global step N;
+by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord and test-*.tfrecord on each
+host; dataset: a tf.data pipeline made per rank and epoch, its test set read from
+DIR/test-*.tfrecord (a stream of unknown length). --no-test: no test set. --then-epochs N:
+once trained, `fit` again to N epochs in the same process (it resumes from --checkpoint-dir).
+--kill-at N: rank 1 SIGKILLs itself after global step N;
 --stall-at N: it hangs there (its watchdog ends it). --stall-in-data: rank 1 hangs while
 loading its data, before any collective. --spoil-metrics-folder: the metrics
 JSON's folder becomes a file when training ends (the final write fails). --fill-disk-at-epoch
 N: rank 0 fills the checkpoint folder's file system when epoch N begins.
 """
 
+import glob
 import os
 import signal
 import sys
@@ -144,29 +148,38 @@ class FillDisk(tf.keras.callbacks.Callback):
 
 
 def make_data(args):
+    tested = not args.no_test
     if args.data == "arrays":
-        return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1))
+        return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1) if tested else None)
     if args.data == "tfrecord":
         return hvdtrain.FileData(
             os.path.join(args.files, "train-*.tfrecord"),
             parse,
-            test=os.path.join(args.files, "test-*.tfrecord"),
+            test=os.path.join(args.files, "test-*.tfrecord") if tested else None,
             shuffle_buffer=64,
         )
     if args.data == "per-host":
 
-        def mine(placement):  # what this host holds: a folder per host name
-            folder = os.path.join(args.files, placement.host)
-            return [os.path.join(folder, f) for f in os.listdir(folder)]
+        def mine(split):  # what this host holds: a folder per host name
+            return lambda placement: glob.glob(
+                os.path.join(args.files, placement.host, f"{split}-*.tfrecord")
+            )
 
-        return hvdtrain.FileData(mine, parse, per_host=True, shuffle_buffer=64)
+        return hvdtrain.FileData(
+            mine("train"), parse, test=mine("test") if tested else None, per_host=True,
+            shuffle_buffer=64,
+        )  # fmt: skip
     x, y = arrays(600, 0)
 
     def make_dataset(rank, size, seed, epoch):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank)
         return ds.shuffle(1000, seed=seed * 1000 + epoch, reshuffle_each_iteration=False)
 
-    return hvdtrain.DatasetData(make_dataset, num_samples=len(x))
+    def make_test(rank, size):  # records read from files: TensorFlow does not know how many
+        files = sorted(tf.io.gfile.glob(os.path.join(args.files, "test-*.tfrecord")))
+        return tf.data.TFRecordDataset(files).shard(size, rank).map(parse)
+
+    return hvdtrain.DatasetData(make_dataset, len(x), test_fn=make_test if tested else None)
 
 
 def main():
@@ -180,6 +193,8 @@ def main():
     parser.add_argument("--spoil-metrics-folder", action="store_true")
     parser.add_argument("--stall-in-data", action="store_true", help="rank 1 hangs loading")
     parser.add_argument("--fill-disk-at-epoch", type=int, default=0)
+    parser.add_argument("--no-test", action="store_true", help="no test set")
+    parser.add_argument("--then-epochs", type=int, default=0, help="fit again to N epochs")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
@@ -200,6 +215,8 @@ def main():
 
         data = data_that_never_loads_on_rank_1
     result = hvdtrain.fit(build_model, data, args, callbacks=callbacks)
+    if args.then_epochs:
+        result = hvdtrain.fit(build_model, data, args, epochs=args.then_epochs)
     print(f"rank done: test {result['test']}", file=sys.stderr)
 
 
