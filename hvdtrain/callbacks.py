@@ -165,7 +165,8 @@ class DeterministicRandomness(tf.keras.callbacks.Callback):
         self.seed, self.rank, self.global_step = seed, rank, start_step
 
     def on_train_batch_begin(self, batch, logs=None):
-        for i, layer in enumerate(self.model.submodules):
+        # Keras 3 has no `submodules`: its layers' seed states are variables, checkpointed.
+        for i, layer in enumerate(getattr(self.model, "submodules", ())):
             rng = getattr(layer, "_random_generator", None)
             if rng is None or not hasattr(rng, "_maybe_init"):
                 continue
@@ -195,7 +196,7 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
 
     def __init__(self, global_batch, steps_per_epoch=None):
         super().__init__()
-        self.global_batch = global_batch
+        self.global_batch, self.steps_per_epoch = global_batch, steps_per_epoch
         self.epoch_samples_per_sec = []
         self._start = None
         self._batches = 0
@@ -204,7 +205,9 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
         self._start, self._batches = time.perf_counter(), 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._batches = batch + 1  # with steps_per_execution > 1, Keras calls once per execution
+        # With steps_per_execution > 1, Keras calls once per execution (Keras 3 with the
+        # execution's whole length, also when the epoch ends sooner).
+        self._batches = min(batch + 1, self.steps_per_epoch or batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
@@ -265,7 +268,7 @@ class ProgressCallback(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.mode == "off" or hvd.rank() != 0:
             return
-        self._done = batch + 1
+        self._done = min(batch + 1, self.steps - self._offset)  # Keras 3 names a whole execution
         now = self._last = time.perf_counter()
         if now - self._shown < (0.1 if self.mode == "bar" else self.seconds):
             return
@@ -310,11 +313,12 @@ def _short(value):
         return str(value)
 
 
-def rank0_callbacks(log_dir=None):
-    """Callbacks that write files or print, returned on rank 0 only (empty elsewhere)."""
+def rank0_callbacks(log_dir=None, tensorboard=tf.keras.callbacks.TensorBoard):
+    """Callbacks that write files or print, returned on rank 0 only (empty elsewhere);
+    `tensorboard`: the model's Keras's TensorBoard callback class."""
     if hvd.rank() != 0:
         return []
-    return [tf.keras.callbacks.TensorBoard(log_dir)] if log_dir else []
+    return [tensorboard(log_dir)] if log_dir else []
 
 
 def _floats(logs):

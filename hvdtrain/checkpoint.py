@@ -63,6 +63,7 @@ class Manifest:
             another number of ranks).
         prog: the program; logs: the epoch's metrics; data: what the data was.
         history: the metrics of every epoch so far, the resumed runs' included.
+        keras: the model's Keras ("Keras 2 (tf-keras)", "Keras 3"); the other refuses it.
         extra: anything else the writer recorded.
     """
 
@@ -80,6 +81,7 @@ class Manifest:
     logs: dict = dataclasses.field(default_factory=dict)
     data: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)
+    keras: str | None = None
     extra: dict = dataclasses.field(default_factory=dict)
     path: str | None = dataclasses.field(default=None, compare=False)  # where it was read
 
@@ -133,6 +135,12 @@ def model_fingerprint(model):
         for layer in model.layers
         if layer.weights
     ]
+
+
+def _keras_of(model):
+    from hvdtrain.frontends import for_model
+
+    return for_model(model).NAME
 
 
 def _sha256(path):
@@ -249,6 +257,14 @@ class CheckpointManager:
         """Loads the weights and optimizer state of the checkpoint `manifest` describes (from
         `latest()`); returns it (epoch, step, global_step, ...)."""
         path = manifest.path
+        keras = _keras_of(self.model)
+        if manifest.keras not in (None, keras):
+            raise HvdtrainError(
+                f"Invalid checkpoint in `--checkpoint-dir`: {path} was written by a "
+                f"{manifest.keras} model; this run builds a {keras} one, whose state it cannot "
+                "hold. Use a new --checkpoint-dir, or build the model with the Keras that "
+                "wrote it."
+            )
         expected = model_fingerprint(self.model)
         if manifest.fingerprint != expected:
             raise HvdtrainError(
@@ -309,6 +325,7 @@ class CheckpointManager:
                 fingerprint=model_fingerprint(self.model),
                 time=time.time(),
                 written_by={"host": socket.gethostname(), "pid": os.getpid()},
+                keras=_keras_of(self.model),
                 extra=dict(extra or {}),
                 **fields,
             ).to_dict()

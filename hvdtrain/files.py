@@ -81,13 +81,14 @@ def export_model(model, build_fn, path, policy=None):
     if rank != 0:
         return None
     if policy:
-        import tensorflow as tf
+        from hvdtrain.frontends import for_model
 
-        tf.keras.mixed_precision.set_global_policy("float32")
+        keras = for_model(model)
+        keras.set_policy("float32")
         try:
             plain = build_fn()
         finally:
-            tf.keras.mixed_precision.set_global_policy(policy)
+            keras.set_policy(policy)
     else:
         plain = build_fn()
     plain.set_weights(model.get_weights())

@@ -54,7 +54,12 @@ def global_results(model):
         if m.name in summed and len(m.variables) == len(summed[m.name]):
             for v, total in zip(m.variables, summed[m.name], strict=True):
                 v.assign(total)
-            results[m.name] = _number(m.result())
+            result = m.result()  # Keras 3's compiled metrics are one metric of metrics
+            results.update(
+                {k: _number(v) for k, v in result.items()}
+                if isinstance(result, dict)
+                else {m.name: _number(result)}
+            )
     # A rank that saw no batch has not built the compiled metrics: it takes every result
     # from the rank with the most (the same decision on every rank: no one waits alone).
     counts = [len(states) for states in gathered]

@@ -40,19 +40,14 @@ def warmup_lr(step, base_lr, size, warmup_steps):
     return base_lr * (1.0 + (size - 1) * progress)
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdtrain")
-class WarmupSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
-    """`warmup_lr` as a Keras schedule: it follows `optimizer.iterations`, so a resumed run
-    continues the warmup where the checkpoint left it.
+class WarmupMath:
+    """`warmup_lr` in TensorFlow ops, for a Keras `LearningRateSchedule` subclass that sets
+    `schedules` (its Keras's `optimizers.schedules`)."""
 
-    Args:
-        base_lr: the single-worker learning rate, or the single-worker schedule (a
-            `LearningRateSchedule`, e.g. a decay): its value at each step is scaled.
-        size: the number of ranks; warmup_steps: steps from 1x to `size`x (0: none).
-    """
+    schedules = None
 
     def __init__(self, base_lr, size, warmup_steps):
-        schedules = tf.keras.optimizers.schedules
+        schedules = self.schedules
         if isinstance(base_lr, dict):  # from get_config
             base_lr = schedules.deserialize(base_lr)
         if not isinstance(base_lr, schedules.LearningRateSchedule):
@@ -76,8 +71,23 @@ class WarmupSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         base = self.base_lr
         if not isinstance(base, float):
-            base = tf.keras.optimizers.schedules.serialize(base)
+            base = self.schedules.serialize(base)
         return {"base_lr": base, "size": self.size, "warmup_steps": self.warmup_steps}
+
+
+@tf.keras.utils.register_keras_serializable(package="hvdtrain")
+class WarmupSchedule(WarmupMath, tf.keras.optimizers.schedules.LearningRateSchedule):
+    """`warmup_lr` as a Keras schedule: it follows `optimizer.iterations`, so a resumed run
+    continues the warmup where the checkpoint left it. (Keras 2; the same for Keras 3
+    optimizers is `hvdtrain.frontends.keras3.WarmupSchedule`.)
+
+    Args:
+        base_lr: the single-worker learning rate, or the single-worker schedule (a
+            `LearningRateSchedule`, e.g. a decay): its value at each step is scaled.
+        size: the number of ranks; warmup_steps: steps from 1x to `size`x (0: none).
+    """
+
+    schedules = tf.keras.optimizers.schedules
 
 
 def rescale_schedule(model, schedule, size, warmup_steps):
@@ -160,7 +170,7 @@ def average_model_state(model):
     moving statistics from its own batches, so they drift apart; averaging them at the end
     of each epoch gives every rank (and rank 0's checkpoint) statistics of all the data.
     """
-    state = [v for v in model.non_trainable_variables if v.dtype.is_floating]
+    state = [v for v in _tf_variables(model.non_trainable_variables) if v.dtype.is_floating]
     _by_position(
         state, "hvdtrain.state", lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)
     )
@@ -179,7 +189,7 @@ def _by_position(variables, prefix, collective):
     if hvd.size() == 1 or not variables:
         return
     groups = {}
-    for v in variables:
+    for v in _tf_variables(variables):
         groups.setdefault(v.dtype.name, []).append(v)
     for dtype, group in sorted(groups.items()):
         flat = tf.concat([tf.reshape(v, [-1]) for v in group], axis=0)
@@ -187,3 +197,8 @@ def _by_position(variables, prefix, collective):
         parts = tf.split(flat, [int(v.shape.num_elements()) for v in group])
         for v, part in zip(group, parts, strict=True):
             v.assign(tf.reshape(part, v.shape))
+
+
+def _tf_variables(variables):
+    """The `tf.Variable`s (what Horovod's ops take): Keras 2's are, Keras 3's hold one."""
+    return [v if isinstance(v, tf.Variable) else v.value for v in variables]

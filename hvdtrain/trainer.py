@@ -38,8 +38,8 @@ import sys
 import time
 
 from hvdtrain import callbacks as cb
-from hvdtrain import compat, elastic, files, metrics, optim, runtime, tuning, watchdog
 from hvdtrain import data as datamod
+from hvdtrain import elastic, files, frontends, metrics, optim, runtime, tuning, watchdog
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.errors import (
     HvdtrainError,
@@ -58,8 +58,9 @@ def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
     (the metrics JSON; rank 0 also writes it).
 
     Args:
-        build_model: `() -> tf.keras.Model`, compiled with its optimizer (whose learning rate
-            is the single-worker one unless `lr` says otherwise), loss and metrics. Called on
+        build_model: `() -> model`, a Keras 2 (`tf.keras`) or Keras 3 (`import keras`,
+            TensorFlow backend) model compiled with its optimizer (whose learning rate is
+            the single-worker one unless `lr` says otherwise), loss and metrics. Called on
             every rank; it must build the same model each time.
         data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`), (x, y) arrays,
             ((x, y), (x_test, y_test)), or a function returning one of those, called on
@@ -117,7 +118,6 @@ class Run:
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
-        import tensorflow as tf
 
         cfg = self.cfg
         self.wall = time.perf_counter()
@@ -132,34 +132,37 @@ class Run:
             self.guard = watchdog.Watchdog(timeout, self.place.rank)
             self.guard.start("set-up: building the model", timed=False)
         # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
-        tf.keras.utils.set_random_seed(cfg.seed + self.place.rank)
-        if cfg.deterministic:
-            tf.config.experimental.enable_op_determinism()
-            tf.keras.backend.experimental.enable_tf_random_generator()  # DeterministicRandomness
+        # The seed and the precision policy go to each Keras the script imported (the model's
+        # Keras is known once it is built; one imported inside `build_model` builds it again).
         self.policy = _policy(cfg.mixed_precision)
-        if self.policy:
-            tf.keras.mixed_precision.set_global_policy(self.policy)
+        prepared = frontends.loaded()
+        for frontend in prepared:
+            self._prepare(frontend)
         model = self.build_model()
-        compiled, user_opt = _compiled(model)
+        self.keras = k = frontends.for_model(model)
+        if k not in prepared:
+            self._prepare(k)
+            model = self.build_model()
+        if cfg.elastic and not k.ELASTIC:
+            raise invalid_value("--elastic", True, f"a Keras 2 model ({k.NAME} is not yet)")
+        compiled, user_opt = _compiled(model, k)
         if self.policy:  # outputs back to float32 for a stable loss
-            model = _float32_outputs(model)
+            model = k.float32_outputs(model)
         # Horovod: the single-worker LR (a number or a schedule) x ranks after a warmup; the
         # warmup's length is set once the steps per epoch are known (`start`).
-        self.schedule = optim.WarmupSchedule(cfg.lr or _base_lr(user_opt), self.place.size, 0)
+        self.schedule = k.WarmupSchedule(cfg.lr or k.base_lr(user_opt), self.place.size, 0)
         config = user_opt.get_config()
         config["learning_rate"] = self.schedule
         # Horovod: average gradients over the ranks before each update.
-        opt = optim.distributed_optimizer(
+        opt = k.distributed_optimizer(
             type(user_opt).from_config(config),
             compression=optim.fp16_compression() if cfg.fp16_allreduce else None,
             backward_passes_per_step=cfg.accumulate,
         )
         opt.learning_rate = self.schedule  # Horovod rebuilt it with a copy: see rescale_schedule
         if self.policy == "mixed_float16":
-            # The loss scale wraps the distributed optimizer, so the allreduce sees unscaled
-            # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
-            opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
-        if compiled.get("jit_compile"):
+            opt = k.loss_scale(opt)
+        if compiled.get("jit_compile") is True:
             self.log.warning("jit_compile=True ignored: Horovod's allreduce cannot be XLA-compiled")
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         self.spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
@@ -169,7 +172,7 @@ class Run:
             metrics=compiled.get("metrics"),
             loss_weights=compiled.get("loss_weights"),
             weighted_metrics=compiled.get("weighted_metrics"),
-            run_eagerly=compiled.get("run_eagerly"),
+            run_eagerly=bool(compiled.get("run_eagerly")),
             jit_compile=False,
             steps_per_execution=self.spe,
         )
@@ -181,6 +184,15 @@ class Run:
             self.manager = CheckpointManager(
                 cfg.checkpoint_dir, model, opt, keep=cfg.keep_checkpoints
             )
+
+    def _prepare(self, frontend):
+        """The seed and precision policy of one Keras, before the model is built."""
+        cfg = self.cfg
+        frontend.set_seed(cfg.seed + self.place.rank)
+        if self.policy:
+            frontend.set_policy(self.policy)
+        if cfg.deterministic:
+            frontend.deterministic()
 
     # -- start: data, resume, broadcast (collectives) ----------------------------------
     def start(self, position=None):
@@ -300,7 +312,7 @@ class Run:
         cfg, p, steps = self.cfg, self.place, self.steps
         # A stuck rank ends the job: no hang.
         self.watchdog = watchdog.WatchdogCallback(watchdog=self.guard)
-        self.throughput = cb.ThroughputCallback(self.global_batch)
+        self.throughput = cb.ThroughputCallback(self.global_batch, steps)
         out = [
             self.watchdog,
             # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
@@ -349,9 +361,11 @@ class Run:
             )
         if commit is not None:
             out.append(commit)
-        return out + cb.rank0_callbacks(cfg.log_dir) + list(extra)
+        return out + cb.rank0_callbacks(cfg.log_dir, self.keras.tensorboard) + list(extra)
 
     def train(self, **callback_args):
+        import tensorflow as tf
+
         cfg, steps, start = self.cfg, self.steps, self.start_step
         callbacks = self.callbacks(**callback_args)
         where = ""
@@ -374,20 +388,29 @@ class Run:
             f", {self.policy}" if self.policy else "",
         )
 
+        # Keras 3 runs whole executions (31 steps at 16 per execution ran 32): there, each
+        # `fit` trains one epoch over a dataset of exactly its steps, which ends the last
+        # execution early. Keras 2 trains every epoch in one `fit`.
+        one_epoch = self.keras.ONE_EPOCH_PER_FIT
+
         def fit_(first, epochs, steps_this_epoch):
             # A dataset per call: Keras starts each `fit` at the dataset's first batch.
             train_ds = self.data.train_dataset(
                 cfg.batch_size, self.place, seed=cfg.seed, start_step=first, steps=steps,
-                epochs=cfg.epochs,
+                epochs=epochs,
             )  # fmt: skip
+            if one_epoch:
+                train_ds = train_ds.take(steps_this_epoch)
+                train_ds = train_ds.apply(tf.data.experimental.assert_cardinality(steps_this_epoch))
             self.model.history = None  # Keras sets it at the first epoch's end
             try:
                 self.model.fit(
                     train_ds,
                     epochs=epochs,
                     initial_epoch=first // steps,
-                    steps_per_epoch=steps_this_epoch,
+                    steps_per_epoch=None if one_epoch else steps_this_epoch,
                     callbacks=callbacks,
+                    shuffle=False,  # the dataset is shuffled
                     verbose=0,
                 )
             finally:  # the epochs done, also when training stopped (diverged)
@@ -399,9 +422,11 @@ class Run:
             if start % steps and start // steps < cfg.epochs:  # finish the interrupted epoch
                 fit_(start, start // steps + 1, steps - start % steps)
                 start = (start // steps + 1) * steps
-            if start // steps < cfg.epochs:
+            if start // steps < cfg.epochs and not one_epoch:
                 fit_(start, cfg.epochs, steps)
-            elif not self.history:
+            for epoch in range(start // steps, cfg.epochs if one_epoch else 0):
+                fit_(epoch * steps, epoch + 1, steps)
+            if start // steps >= cfg.epochs and not self.history:
                 self.log.info(
                     "already trained %d of %d epochs; evaluating only", start // steps, cfg.epochs
                 )
@@ -542,58 +567,22 @@ def _policy(choice):
     return f"mixed_{choice}"
 
 
-def _compiled(model):
+def _compiled(model, frontend):
     """(compile arguments, optimizer) of the model `build_model` returned."""
-    import tensorflow as tf
-
-    compat.require_keras2()
-    if not isinstance(model, tf.keras.Model):
-        raise invalid_value(
-            "build_model",
-            f"a function returning {type(model).__name__}",
-            "a function returning a tf.keras.Model (Keras 2: use tf.keras, never `import keras`)",
-        )
-    config = getattr(getattr(model, "_compile_config", None), "config", None)
-    opt = getattr(model, "optimizer", None)
+    config, opt = frontend.compiled(model)
     if not config or opt is None or config.get("loss") is None:
         raise invalid_value(
             "build_model",
             "a model that is not compiled (or has no loss)",
             "a model compiled with its optimizer, loss and metrics: model.compile(...)",
         )
-    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
-        opt = opt.inner_optimizer  # Keras adds one under mixed_float16; fit puts its own around
-    if optim.is_distributed(opt):
+    if frontend.is_distributed(opt):
         raise invalid_value(
             "build_model",
             f"a model compiled with {type(opt).__name__} (already distributed)",
             "a plain Keras optimizer: hvdtrain.fit adds Horovod's wrapper",
         )
     return config, opt
-
-
-def _base_lr(opt):
-    import tensorflow as tf
-
-    lr = getattr(opt, "_learning_rate", None)
-    if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule):
-        return lr
-    lr = opt.learning_rate
-    if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule):
-        return lr
-    return float(tf.keras.backend.get_value(lr))
-
-
-def _float32_outputs(model):
-    import tensorflow as tf
-
-    outputs = [
-        tf.keras.layers.Activation("linear", dtype="float32")(o) if o.dtype != tf.float32 else o
-        for o in tf.nest.flatten(model.outputs)
-    ]
-    return tf.keras.Model(
-        model.inputs, outputs[0] if len(outputs) == 1 else outputs, name=model.name
-    )
 
 
 def _as_data(source, limit=None):

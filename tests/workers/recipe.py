@@ -10,6 +10,7 @@ by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord and test-*.tfrecord
 host; dataset: a tf.data pipeline made per rank and epoch, its test set read from
 DIR/test-*.tfrecord (a stream of unknown length). --no-test: no test set. --then-epochs N:
 once trained, `fit` again to N epochs in the same process (it resumes from --checkpoint-dir).
+--keras 3: the same model in Keras 3 (`import keras`).
 --kill-at N: rank 1 SIGKILLs itself after global step N;
 --stall-at N: it hangs there (its watchdog ends it). --stall-in-data: rank 1 hangs while
 loading its data, before any collective. --spoil-metrics-folder: the metrics
@@ -29,6 +30,26 @@ import tensorflow as tf
 import hvdtrain
 
 FEATURES = 8
+
+
+def build_model_keras3():
+    import keras
+
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="binary_crossentropy",
+        metrics=["accuracy", keras.metrics.AUC(name="auc")],
+    )
+    return model
 
 
 def build_model():
@@ -195,6 +216,7 @@ def main():
     parser.add_argument("--fill-disk-at-epoch", type=int, default=0)
     parser.add_argument("--no-test", action="store_true", help="no test set")
     parser.add_argument("--then-epochs", type=int, default=0, help="fit again to N epochs")
+    parser.add_argument("--keras", choices=["2", "3"], default="2", help="the model's Keras")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
@@ -214,9 +236,10 @@ def main():
             return data
 
         data = data_that_never_loads_on_rank_1
-    result = hvdtrain.fit(build_model, data, args, callbacks=callbacks)
+    build = build_model_keras3 if args.keras == "3" else build_model
+    result = hvdtrain.fit(build, data, args, callbacks=callbacks)
     if args.then_epochs:
-        result = hvdtrain.fit(build_model, data, args, epochs=args.then_epochs)
+        result = hvdtrain.fit(build, data, args, epochs=args.then_epochs)
     print(f"rank done: test {result['test']}", file=sys.stderr)
 
 

@@ -1,0 +1,77 @@
+"""Keras 2 (`tf.keras` from tf-keras): what the recipe needs, with the same names as
+`hvdtrain.frontends.keras3`. The distributed optimizer is Horovod's own Keras wrapper."""
+
+import tensorflow as tf
+
+from hvdtrain import compat, optim
+
+__all__ = ["NAME", "keras", "owns", "check", "compiled", "base_lr", "WarmupSchedule"]
+
+ELASTIC = True  # Horovod Elastic (hvdtrain.elastic) supports it
+ONE_EPOCH_PER_FIT = False  # whole executions only: a fit per epoch ends the last early
+NAME = "Keras 2 (tf-keras)"
+keras = tf.keras
+WarmupSchedule = optim.WarmupSchedule
+is_distributed = optim.is_distributed
+distributed_optimizer = optim.distributed_optimizer
+
+
+def owns(model):
+    return isinstance(model, tf.keras.Model)
+
+
+def check(model):
+    compat.require_keras2()
+
+
+def compiled(model):
+    """(compile arguments, the user's optimizer) of a compiled model."""
+    config = getattr(getattr(model, "_compile_config", None), "config", None)
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
+        opt = opt.inner_optimizer  # Keras adds one under mixed_float16; fit puts its own around
+    return config, opt
+
+
+def base_lr(opt):
+    schedules = tf.keras.optimizers.schedules
+    lr = getattr(opt, "_learning_rate", None)
+    if isinstance(lr, schedules.LearningRateSchedule):
+        return lr
+    lr = opt.learning_rate
+    if isinstance(lr, schedules.LearningRateSchedule):
+        return lr
+    return float(tf.keras.backend.get_value(lr))
+
+
+def loss_scale(optimizer):
+    # The loss scale wraps the distributed optimizer, so the allreduce sees unscaled
+    # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
+    return tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+
+
+def set_seed(seed):
+    tf.keras.utils.set_random_seed(seed)
+
+
+def set_policy(policy):
+    tf.keras.mixed_precision.set_global_policy(policy)
+
+
+def float32_outputs(model):
+    outputs = [
+        tf.keras.layers.Activation("linear", dtype="float32")(o) if o.dtype != tf.float32 else o
+        for o in tf.nest.flatten(model.outputs)
+    ]
+    return tf.keras.Model(
+        model.inputs, outputs[0] if len(outputs) == 1 else outputs, name=model.name
+    )
+
+
+def tensorboard(log_dir):
+    return tf.keras.callbacks.TensorBoard(log_dir)
+
+
+def deterministic():
+    tf.config.experimental.enable_op_determinism()
+    tf.keras.backend.experimental.enable_tf_random_generator()  # DeterministicRandomness

@@ -1,0 +1,80 @@
+"""A user's Keras 3 model (`import keras`: functional, `keras.ops`, BatchNorm, AdamW, AUC)
+through `hvdtrain.fit` on real ranks: examples/keras3_fit.py. The settings matrix
+(test_settings_matrix.py) runs Keras 3 beside Keras 2 under every other pair of settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, job_env, run_job
+
+SCRIPT = os.path.join(ROOT, "examples", "keras3_fit.py")
+
+
+def train(np, backend, out, epochs):
+    args = [SCRIPT, "--epochs", str(epochs), "--checkpoint-dir", str(out / "ckpt"),
+            "--metrics-json", str(out / "m.json")]  # fmt: skip
+    proc = run_job(np, backend, args)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return json.loads((out / "m.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    return train(1, "none", tmp_path_factory.mktemp("keras3-alone"), 3)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(backend, alone, tmp_path):
+    first = train(2, backend, tmp_path, 3)
+    assert first["size"] == 2 and first["test_samples"] == 2000
+    assert len({r["weights_digest"] for r in first["ranks"]}) == 1  # BatchNorm averaged too
+    # 8,000 samples, batch 64 x 2 ranks: 62 steps an epoch (not a multiple of 16 per call)
+    assert first["steps_per_epoch"] == 62 and first["optimizer_iterations"] == 3 * 62
+    assert first["lr_final"] == pytest.approx(2e-3)  # 1e-3 x 2 ranks after the warmup
+    assert first["test"]["auc"] == pytest.approx(alone["test"]["auc"], abs=0.02)
+    assert first["test"]["auc"] > 0.9
+
+    again = train(2, backend, tmp_path, 5)  # the same command, two epochs more
+    assert again["resumed_from"]["epoch"] == 3 and again["optimizer_iterations"] == 5 * 62
+    assert len(again["history"]["val_auc"]) == 5
+    assert len({r["weights_digest"] for r in again["ranks"]}) == 1
+
+    # The export, in a process with plain Keras 3 only (no hvdtrain, no Horovod).
+    check = (
+        "import keras, numpy as np, sys\n"
+        "m = keras.saving.load_model(sys.argv[1])\n"
+        "p = m.predict(np.zeros((3, 10), 'float32'), verbose=0)\n"
+        "assert p.shape == (3, 1) and np.isfinite(p).all()\n"
+        "print('loaded', type(m).__name__)\n"
+    )
+    env = {k: v for k, v in job_env().items() if k != "TF_USE_LEGACY_KERAS"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path / "ckpt" / "model.keras")],
+        env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0 and "loaded Functional" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        ([], {"KERAS_BACKEND": "numpy"}, "Invalid value for `KERAS_BACKEND`: received 'numpy'; "
+         "expected 'tensorflow'"),
+        (["--mixed-precision", "float16"], {}, "Invalid value for `--mixed-precision`: received "
+         "'float16 with a Keras 3 model'"),
+        (["--accumulate", "2"], {}, "Invalid value for `--accumulate`: received '2 with a "
+         "Keras 3 model'"),
+        (["--elastic"], {}, "Invalid value for `--elastic`: received True; expected a Keras 2 "
+         "model (Keras 3 is not yet)."),
+    ],
+)  # fmt: skip
+def test_what_keras3_cannot_do_is_one_line_and_exit_2(flags, env, message):
+    worker = os.path.join(ROOT, "tests", "workers", "recipe.py")
+    proc = run_job(1, "none", [worker, "--keras", "3", *flags], check=False, **env)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
