@@ -16,6 +16,7 @@ from hvdtrain.errors import invalid_value
 __all__ = [
     "scaled_lr",
     "warmup_lr",
+    "WarmupMath",
     "WarmupSchedule",
     "rescale_schedule",
     "distributed_optimizer",

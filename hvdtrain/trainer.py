@@ -118,7 +118,6 @@ class Run:
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
-
         cfg = self.cfg
         self.wall = time.perf_counter()
         runtime.init(threads=cfg.threads)
