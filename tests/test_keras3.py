@@ -62,8 +62,6 @@ def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(backend,
 @pytest.mark.parametrize(
     "flags, env, message",
     [
-        ([], {"KERAS_BACKEND": "numpy"}, "Invalid value for `KERAS_BACKEND`: received 'numpy'; "
-         "expected 'tensorflow'"),
         (["--mixed-precision", "float16"], {}, "Invalid value for `--mixed-precision`: received "
          "'float16 with a Keras 3 model'"),
         (["--accumulate", "2"], {}, "Invalid value for `--accumulate`: received '2 with a "
@@ -78,3 +76,19 @@ def test_what_keras3_cannot_do_is_one_line_and_exit_2(flags, env, message):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch", "numpy"])
+def test_a_keras3_backend_other_than_tensorflow_is_one_clear_error(backend):
+    """In this process (Keras's backend is fixed when it is imported, and JAX and PyTorch are
+    not installed here: with KERAS_BACKEND=numpy, building a model already imports JAX)."""
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.frontends import keras3
+
+    with pytest.raises(HvdtrainError) as caught:
+        keras3.check(None, backend)
+    message = str(caught.value)
+    assert message.startswith(
+        f"Invalid value for `KERAS_BACKEND`: received '{backend}'; expected 'tensorflow'"
+    )
+    assert len(message.splitlines()) == 1 and message.endswith("Set KERAS_BACKEND=tensorflow.")

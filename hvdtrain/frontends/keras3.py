@@ -25,9 +25,10 @@ def owns(model):
     return isinstance(model, keras.Model)
 
 
-def check(model):
-    """Keras 3 on the TensorFlow backend only: Horovod's collectives here are TensorFlow ops."""
-    backend = keras.backend.backend()
+def check(model, backend=None):
+    """Keras 3 on the TensorFlow backend only (`backend`: Keras's, by default): Horovod's
+    collectives here are TensorFlow ops."""
+    backend = backend or keras.backend.backend()
     if backend != "tensorflow":
         raise HvdtrainError(
             f"Invalid value for `KERAS_BACKEND`: received '{backend}'; expected 'tensorflow' "
