@@ -6,6 +6,8 @@ scaled by N (Goyal et al., 2017). Starting at the full rate destabilises the fir
 so it ramps linearly from the single-worker rate to N times that over the warmup.
 """
 
+import sys
+
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
@@ -124,8 +126,16 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             changes the math slightly); None sends them as they are.
         backward_passes_per_step: average the gradients of this many local batches before
             each allreduce and update (local gradient accumulation; 1 = off).
-        **kwargs: passed on to `hvd.DistributedOptimizer`.
+        **kwargs: passed on to `hvd.DistributedOptimizer` (Keras 2).
+
+    A Keras 3 optimizer (`import keras`) gets hvdtrain's own wrapper instead
+    (`hvdtrain.frontends.keras3.distributed_optimizer`: its `apply` averages the gradients).
     """
+    keras3 = sys.modules.get("keras")
+    if keras3 is not None and isinstance(optimizer, keras3.optimizers.Optimizer) and not kwargs:
+        from hvdtrain.frontends import keras3 as frontend
+
+        return frontend.distributed_optimizer(optimizer, compression, backward_passes_per_step)
     compat.require_keras2()  # Horovod's wrapper fails deep inside `fit` on Keras 3
     if is_distributed(optimizer):  # Horovod would wrap it again, and recurse without end
         raise invalid_value(

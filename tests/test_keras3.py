@@ -92,3 +92,18 @@ def test_a_keras3_backend_other_than_tensorflow_is_one_clear_error(backend):
         f"Invalid value for `KERAS_BACKEND`: received '{backend}'; expected 'tensorflow'"
     )
     assert len(message.splitlines()) == 1 and message.endswith("Set KERAS_BACKEND=tensorflow.")
+
+
+def test_a_keras3_custom_loop_with_the_building_blocks_trains_and_resumes(tmp_path):
+    """examples/keras3_custom_loop.py: `distributed_optimizer` on a Keras 3 optimizer,
+    `broadcast_initial_state`, `average_model_state`, `evaluate`, `CheckpointManager`."""
+    script = os.path.join(ROOT, "examples", "keras3_custom_loop.py")
+    args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-json", str(tmp_path / "m.json")]
+    for epochs in (2, 3):  # then the same command with one epoch more: a resume
+        proc = run_job(2, "gloo", [script, "--epochs", str(epochs), *args])
+        assert "Traceback" not in proc.stdout + proc.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["size"] == 2 and m["start_epoch"] == 2
+    assert m["optimizer_steps"] == 3 * 39  # 5,000 samples, 2 ranks x 64: 39 steps an epoch
+    assert m["test"]["samples"] == 1000 and m["test"]["accuracy"] > 0.8
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1

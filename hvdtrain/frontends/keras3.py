@@ -67,6 +67,12 @@ def is_distributed(opt):
 def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1):
     """A copy of the Keras 3 `optimizer` whose `apply` averages the gradients over the ranks
     first (one grouped allreduce), in float16 on the wire with `compression`."""
+    if is_distributed(optimizer):
+        raise invalid_value(
+            "optimizer",
+            type(optimizer).__name__ + " (already distributed)",
+            "a plain Keras optimizer: wrap it once",
+        )
     cls = type(optimizer)
     compression = compression or hvd.Compression.none
 
