@@ -62,8 +62,6 @@ def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(backend,
 @pytest.mark.parametrize(
     "flags, env, message",
     [
-        (["--mixed-precision", "float16"], {}, "Invalid value for `--mixed-precision`: received "
-         "'float16 with a Keras 3 model'"),
         (["--accumulate", "2"], {}, "Invalid value for `--accumulate`: received '2 with a "
          "Keras 3 model'"),
         (["--elastic"], {}, "Invalid value for `--elastic`: received True; expected a Keras 2 "
@@ -107,3 +105,18 @@ def test_a_keras3_custom_loop_with_the_building_blocks_trains_and_resumes(tmp_pa
     assert m["optimizer_steps"] == 3 * 39  # 5,000 samples, 2 ranks x 64: 39 steps an epoch
     assert m["test"]["samples"] == 1000 and m["test"]["accuracy"] > 0.8
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_keras3_loss_scaling_skips_a_step_on_every_rank_when_one_ranks_gradients_overflow(
+    backend, tmp_path
+):
+    from conftest import worker
+
+    run_job(2, backend, [worker("keras3_checks.py"), str(tmp_path)])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["finite"] for r in ranks] == [False, False]  # both skip, nobody waits
+    # Skipped, then one averaged update of the unscaled gradients, 1 - 0.1 x mean(0, 1) /
+    # 2**14, the same on both ranks.
+    assert ranks[0]["w"] == ranks[1]["w"] == pytest.approx([1 - 0.05 / 2**14] * 3, abs=1e-7)
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 2.0**14  # halved once, from 2**15

@@ -106,12 +106,24 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     return distributed.from_config(optimizer.get_config())
 
 
+class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
+    """Keras 3's dynamic loss scaling, where the ranks agree whether a step's gradients are
+    finite (one small allreduce): a rank that skipped the step alone would leave the others
+    waiting in the gradients' allreduce (Keras 2 gets the same from wrapping the
+    distributed optimizer, whose allreduce comes before the check)."""
+
+    def check_finite(self, grads):
+        finite = super().check_finite(grads)
+        if hvd.size() == 1:
+            return finite
+        bad = hvd.allreduce(
+            tf.cast(tf.logical_not(finite), tf.int32), op=hvd.Sum, name="hvdtrain.nonfinite"
+        )
+        return tf.equal(bad, 0)
+
+
 def loss_scale(optimizer):
-    raise invalid_value(
-        "--mixed-precision",
-        "float16 with a Keras 3 model",
-        "bfloat16 (or none) for Keras 3 for now; float16 loss scaling is Keras 2 only",
-    )
+    return _AgreedLossScale(optimizer)
 
 
 def set_seed(seed):
