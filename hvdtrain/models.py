@@ -7,9 +7,10 @@ __all__ = ["build_model", "MODELS"]
 MODELS = ("convnet", "mlp")
 
 
-def build_model(name="convnet"):
-    """A classifier of 28x28x1 images into 10 classes that outputs logits."""
-    layers = tf.keras.layers
+def build_model(name="convnet", keras=tf.keras):
+    """A classifier of 28x28x1 images into 10 classes that outputs logits, in `keras`
+    (`tf.keras`, Keras 2, or the `keras` module, Keras 3: the layers are the same)."""
+    layers = keras.layers
     if name == "convnet":
         body = [
             # Small random shifts and rotations (training only): the embedded set has just
@@ -32,6 +33,6 @@ def build_model(name="convnet"):
         ]
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-    return tf.keras.Sequential(
-        [tf.keras.Input((28, 28, 1)), *body, layers.Dense(10)], name=f"mnist_{name}"
+    return keras.Sequential(
+        [keras.Input((28, 28, 1)), *body, layers.Dense(10)], name=f"mnist_{name}"
     )

@@ -22,10 +22,13 @@ def _rank_lines(output, rank):
     ]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi", "mpirun"])
-def test_one_epoch_on_two_ranks(backend, tmp_path):
+@pytest.mark.parametrize(
+    "backend, keras", [("gloo", "2"), ("mpi", "2"), ("mpirun", "2"), ("mpi", "3")]
+)
+def test_one_epoch_on_two_ranks(backend, keras, tmp_path):
     ckpt, metrics, logs = tmp_path / "ckpt", tmp_path / "m.json", tmp_path / "tb"
     args = [*MNIST, "--epochs", "1", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
+    args += ["--keras", keras]
     proc = run_job(2, backend, [*args, "--log-dir", str(logs)])
     m = json.loads(metrics.read_text())
     assert m["size"] == 2 and m["epochs"] == 1 and m["global_batch_size"] == 64
@@ -43,6 +46,17 @@ def test_one_epoch_on_two_ranks(backend, tmp_path):
     events = glob.glob(str(logs / "**" / "events.out.tfevents.*"), recursive=True)
     assert events and {int(e.split(".")[-3]) for e in events} == {rank0_pid}
     assert sorted(os.listdir(ckpt)) == ["epoch-0001", "model.keras"]
+
+
+def test_a_checkpoint_of_one_keras_is_refused_by_the_other_in_one_line(tmp_path):
+    args = [*MNIST, "--epochs", "1", "--limit-samples", "640", "--model", "mlp",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    run_job(1, "none", [*args, "--keras", "2"])
+    proc = run_job(1, "none", [*args, "--epochs", "2", "--keras", "3"], check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "was written by a Keras 2 (tf-keras) model; this run builds a Keras 3 one" in errors[0]
 
 
 def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):
