@@ -273,7 +273,7 @@ class CheckpointManager:
                 f"{_describe(expected)}). Use a new --checkpoint-dir, or the flags that "
                 "wrote it."
             )
-        state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        state = self._state()
         try:
             state.read(os.path.join(path, "state")).assert_existing_objects_matched()
         # A damaged state file makes TensorFlow's reader raise IndexError, KeyError, ...
@@ -297,6 +297,14 @@ class CheckpointManager:
             )
         return self.restore(found) if found is not None else None
 
+    def _state(self):
+        """What a checkpoint holds: the model and the optimizer, and whatever else the model's
+        Keras keeps outside them (Keras 3's random seed states)."""
+        from hvdtrain.frontends import for_model
+
+        extras = for_model(self.model).checkpoint_extras(self.model)
+        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **extras)
+
     # -- writing ------------------------------------------------------------------------
     def save(self, epoch, extra=None, step=0, **fields):
         """Writes a checkpoint atomically and returns its path: after `epoch` completed
@@ -309,9 +317,7 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
-            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).write(
-                os.path.join(tmp, "state")
-            )
+            self._state().write(os.path.join(tmp, "state"))
             files = {}
             for name in sorted(os.listdir(tmp)):
                 file = os.path.join(tmp, name)

@@ -3,7 +3,7 @@ tests/workers/recipe.py (BatchNorm, dropout, a sigmoid output; arrays, TFRecord 
 tf.data pipeline), run as `horovodrun -np 2` under Gloo and MPI.
 
 - kill rank 1 mid-epoch, run the same command again: bitwise the weights of an
-  uninterrupted run, for arrays and for TFRecord files;
+  uninterrupted run, for arrays and for TFRecord files, and for the model in Keras 3;
 - every record read exactly once per epoch across the ranks, equal steps, with files of
   uneven sizes: shared files and per-host files; a resume mid-epoch reads the same records;
 - a user script's mistakes: one line, exit 2, no traceback.
@@ -33,6 +33,9 @@ def files(tmp_path_factory):
 
 
 def train(backend, form, files, out, *extra, check=True):
+    """form: arrays, tfrecord, or keras3 (arrays, the model in Keras 3)."""
+    if form == "keras3":
+        form, extra = "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
             "--checkpoint-every", "2", "--epochs", "3", "--checkpoint-dir", str(out / "ckpt"),
             "--metrics-json", str(out / "m.json"), *extra]  # fmt: skip
@@ -60,7 +63,7 @@ def uninterrupted(files, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("form", ["arrays", "tfrecord"])
+@pytest.mark.parametrize("form", ["arrays", "tfrecord", "keras3"])
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     backend, form, files, uninterrupted, tmp_path

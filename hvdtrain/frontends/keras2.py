@@ -75,3 +75,8 @@ def tensorboard(log_dir):
 def deterministic():
     tf.config.experimental.enable_op_determinism()
     tf.keras.backend.experimental.enable_tf_random_generator()  # DeterministicRandomness
+
+
+def checkpoint_extras(model):
+    """What a checkpoint must hold beside the model and the optimizer: nothing."""
+    return {}

@@ -148,3 +148,9 @@ def tensorboard(log_dir):
 
 def deterministic():
     tf.config.experimental.enable_op_determinism()  # Keras 3's seed states are variables
+
+
+def checkpoint_extras(model):
+    """Every model variable, by position: a `tf.train.Checkpoint` of a Keras 3 model misses
+    its random seed states (dropout, augmentation), which a bitwise resume needs."""
+    return {"variables": [v.value for v in model.variables]}
