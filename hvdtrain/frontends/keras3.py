@@ -14,7 +14,26 @@ import tensorflow as tf
 from hvdtrain import optim
 from hvdtrain.errors import HvdtrainError, invalid_value
 
-__all__ = ["NAME", "keras", "owns", "check", "compiled", "base_lr", "WarmupSchedule"]
+__all__ = [
+    "NAME",
+    "ELASTIC",
+    "ONE_EPOCH_PER_FIT",
+    "keras",
+    "owns",
+    "check",
+    "compiled",
+    "base_lr",
+    "WarmupSchedule",
+    "is_distributed",
+    "distributed_optimizer",
+    "loss_scale",
+    "set_seed",
+    "set_policy",
+    "float32_outputs",
+    "tensorboard",
+    "deterministic",
+    "checkpoint_extras",
+]
 
 ELASTIC = False  # Horovod Elastic (hvdtrain.elastic) supports it
 ONE_EPOCH_PER_FIT = True  # whole executions only: a fit per epoch ends the last early
