@@ -13,8 +13,7 @@ The data form and its test set are one factor (10 values), so that every form me
 other setting with and without a test set: the crash this matrix was made for (issue 23) took
 a FileData test set and several steps per execution together. `--steps-per-execution`
 "default" means the default's 16: with `--checkpoint-every` or `--deterministic` the default
-is 1, which the value "1" covers, so those pairs are left out; so is `--accumulate 2` with
-Keras 3, which is refused for now.
+is 1, which the value "1" covers, so those pairs are left out.
 """
 
 import itertools
@@ -48,10 +47,7 @@ FACTORS = {
 
 
 def _allowed(case):
-    """False for the pairs that the default's 16 steps per execution cannot make, and for
-    accumulation on Keras 3 (refused, one line: tests/test_keras3.py)."""
-    if case.get("keras") == 3 and case.get("accumulate", 1) > 1:
-        return False
+    """False for the pairs that the default's 16 steps per execution cannot make."""
     return case.get("steps_per_execution") != "default" or not (
         case.get("checkpoint_every") or case.get("deterministic")
     )

@@ -16,7 +16,6 @@ from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
     "NAME",
-    "ELASTIC",
     "ONE_EPOCH_PER_FIT",
     "keras",
     "owns",
@@ -35,7 +34,6 @@ __all__ = [
     "checkpoint_extras",
 ]
 
-ELASTIC = False  # Horovod Elastic (hvdtrain.elastic) supports it
 ONE_EPOCH_PER_FIT = True  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 3"
 
@@ -85,7 +83,13 @@ def is_distributed(opt):
 
 def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1):
     """A copy of the Keras 3 `optimizer` whose `apply` averages the gradients over the ranks
-    first (one grouped allreduce), in float16 on the wire with `compression`."""
+    first (one grouped allreduce), in float16 on the wire with `compression`.
+
+    With `backward_passes_per_step` N > 1 each rank sums N steps' gradients locally and the
+    N-th step averages the sum over the ranks and applies it, as Horovod's Keras 2 optimizer
+    does: `iterations` counts every step (the LR schedule, resume and checkpoints count
+    steps), and a step resumes at a whole cycle with empty sums (they are not checkpointed).
+    """
     if is_distributed(optimizer):
         raise invalid_value(
             "optimizer",
@@ -94,8 +98,9 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
         )
     cls = type(optimizer)
     compression = compression or hvd.Compression.none
+    passes = int(backward_passes_per_step)
 
-    def apply(self, grads, trainable_variables=None):
+    def average(grads):
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
         if hvd.size() > 1 and present:
@@ -107,29 +112,73 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             )
             for i, g in zip(present, reduced, strict=True):
                 grads[i] = g
-        return cls.apply(self, grads, trainable_variables)
+        return grads
+
+    def build(self, variables):
+        cls.build(self, variables)
+        if passes > 1:  # in a plain holder: Keras would track (checkpoint) a list
+            self._hvdtrain_sums = _Sums(variables)
+
+    def apply(self, grads, trainable_variables=None):
+        if passes == 1:
+            return cls.apply(self, average(grads), trainable_variables)
+        variables = trainable_variables or self._trainable_variables
+        if not self.built:
+            self.build(variables)
+        sums = [self._hvdtrain_sums.of(v) for v in variables]
+        grads = [
+            tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+
+        def update():
+            mean = [(s + g) / passes for s, g in zip(sums, grads, strict=True)]
+            cls.apply(self, average(mean), trainable_variables)  # counts the step
+            for s in sums:
+                s.assign(tf.zeros_like(s))
+            return tf.constant(True)
+
+        def add():
+            for s, g in zip(sums, grads, strict=True):
+                s.assign_add(g)
+            self.iterations.assign_add(1)
+            return tf.constant(False)
+
+        last = tf.equal((self.iterations + 1) % passes, 0)
+        return tf.cond(last, update, add)
 
     distributed = type(
         f"Distributed{cls.__name__}",
         (cls,),
-        {"apply": apply, "_hvdtrain_distributed": True, "__module__": __name__},
+        {"apply": apply, "build": build, "_hvdtrain_distributed": True, "__module__": __name__},
     )
-    if backward_passes_per_step > 1:
-        # Keras 3 accumulates itself, but its `iterations` then counts updates, not the
-        # steps that hvdtrain's resume, warmup and checkpoints count.
-        raise invalid_value(
-            "--accumulate",
-            f"{backward_passes_per_step} with a Keras 3 model",
-            "1 for Keras 3 for now; gradient accumulation is Keras 2 only",
-        )
     return distributed.from_config(optimizer.get_config())
+
+
+class _Sums:
+    """One rank's gradient sums of an accumulation cycle, one per variable (by its path)."""
+
+    def __init__(self, variables):
+        self.by_path = {
+            v.path: tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in variables
+        }
+
+    def of(self, variable):
+        return self.by_path[variable.path]
 
 
 class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
     """Keras 3's dynamic loss scaling, where the ranks agree whether a step's gradients are
     finite (one small allreduce): a rank that skipped the step alone would leave the others
     waiting in the gradients' allreduce (Keras 2 gets the same from wrapping the
-    distributed optimizer, whose allreduce comes before the check)."""
+    distributed optimizer, whose allreduce comes before the check). A skipped step counts in
+    `iterations`, as on Keras 2."""
+
+    def _stateful_handle_non_finite_grads(self):
+        # A skipped step still counts, as in Keras 2: `iterations` is the step that the LR
+        # schedule, resume and --accumulate's cycles follow.
+        super()._stateful_handle_non_finite_grads()
+        self.inner_optimizer.iterations.assign_add(1)
 
     def check_finite(self, grads):
         finite = super().check_finite(grads)

@@ -27,4 +27,5 @@ opt.apply(grads, [w])  # skipped on every rank (a rank applying alone would hang
 opt.apply([tf.constant([float(rank)] * 3)], [w])  # finite: unscaled, averaged, applied
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump({"finite": finite, "w": np.asarray(w.numpy()).tolist(),
-               "scale": float(opt.dynamic_scale.numpy())}, f)  # fmt: skip
+               "scale": float(opt.dynamic_scale.numpy()),
+               "iterations": int(np.asarray(opt.iterations))}, f)  # fmt: skip
