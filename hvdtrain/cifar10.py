@@ -14,13 +14,14 @@ Training uses the usual augmentation (random 32x32 crops of the 4-pixel padded i
 horizontal flips) and per-channel normalisation; SGD with momentum 0.9.
 """
 
+import functools
 import os
 import pickle
 import tarfile
 
 import numpy as np
 
-from hvdtrain import sources
+from hvdtrain import frontends, sources
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
@@ -129,16 +130,16 @@ def keras_cache_path():
     return os.path.join(sources.keras_datasets_dir(), "cifar-10-batches-py")
 
 
-def build_model(name="resnet-small"):
-    """ResNet-50 (Keras applications, random init) or a ResNet-20 for CPU runs; logits."""
-    import tensorflow as tf
-
+def build_model(name="resnet-small", keras=None):
+    """ResNet-50 (Keras applications, random init) or a ResNet-20 for CPU runs; logits. In
+    `keras`: `tf.keras` (Keras 2, the default) or the `keras` module (Keras 3)."""
+    keras = keras or frontends.keras_module("2")
     if name == "resnet50":
-        return tf.keras.applications.ResNet50(
+        return keras.applications.ResNet50(
             weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
         )
-    layers = tf.keras.layers
-    inputs = tf.keras.Input((32, 32, 3))
+    layers = keras.layers
+    inputs = keras.Input((32, 32, 3))
     x = layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
     x = layers.ReLU()(layers.BatchNormalization()(x))
     for stage, width in enumerate((16, 32, 64)):
@@ -154,7 +155,7 @@ def build_model(name="resnet-small"):
                 shortcut = layers.BatchNormalization()(shortcut)
             x = layers.ReLU()(layers.Add()([shortcut, y]))
     x = layers.GlobalAveragePooling2D()(x)
-    return tf.keras.Model(inputs, layers.Dense(10)(x), name="resnet20")
+    return keras.Model(inputs, layers.Dense(10)(x), name="resnet20")
 
 
 def _augment(x, y):
@@ -199,15 +200,14 @@ def _download():
     tf.keras.datasets.cifar10.load_data()
 
 
-def _compiled(name, lr):
+def _compiled(name, lr, version):
     """`build_model(name)` compiled: SGD with momentum 0.9, cross-entropy on logits."""
-    import tensorflow as tf
-
-    model = build_model(name)
-    model.compile(
-        tf.keras.optimizers.SGD(lr, momentum=0.9),
-        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        ["accuracy"],
+    keras = frontends.keras_module(version)
+    model = build_model(name, keras)
+    model.compile(  # by keyword: Keras 3's third argument is loss_weights, not metrics
+        optimizer=keras.optimizers.SGD(lr, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
     return model
 
@@ -216,6 +216,7 @@ def main(argv=None):
     parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=30, batch_size=64, lr=0.05)
     parser.add_argument("--model", choices=["resnet-small", "resnet50"], default="resnet-small")
     parser.add_argument("--data-dir", help="folder with the CIFAR-10 python batches")
+    frontends.add_keras_flag(parser)
 
     def run(argv):
         args = parser.parse_args(argv)
@@ -223,7 +224,9 @@ def main(argv=None):
             raise invalid_value("--data-dir", args.data_dir, "an existing folder")
         from hvdtrain.trainer import fit  # TensorFlow loads here, once the flags are good
 
-        return fit(lambda: _compiled(args.model, args.lr), _load(args), args, prog=PROG)
+        frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
+        build = functools.partial(_compiled, args.model, args.lr, args.keras)
+        return fit(build, _load(args), args, prog=PROG)
 
     cli_main(run, argv, PROG)
 

@@ -12,10 +12,12 @@ whole network starts from random weights: ImageNet weights cannot be downloaded 
 offline machine, and this entry point never pretends they were.
 """
 
+import functools
 import os
 
 import numpy as np
 
+from hvdtrain import frontends
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
@@ -72,11 +74,11 @@ def _augment(path, label):
     return tf.image.random_flip_left_right(image), label
 
 
-def build_model(classes, weights=None):
-    """MobileNetV2 base (frozen when pretrained `weights` are given) + a new logits head."""
-    import tensorflow as tf
-
-    base = tf.keras.applications.MobileNetV2(
+def build_model(classes, weights=None, keras=None):
+    """MobileNetV2 base (frozen when pretrained `weights` are given) + a new logits head, in
+    `keras`: `tf.keras` (Keras 2, the default) or the `keras` module (Keras 3)."""
+    keras = keras or frontends.keras_module("2")
+    base = keras.applications.MobileNetV2(
         input_shape=(SIZE, SIZE, 3), include_top=False, weights=None, pooling="avg"
     )
     if weights:
@@ -88,21 +90,20 @@ def build_model(classes, weights=None):
                 "--weights", weights, f"Keras MobileNetV2 no-top weights (.h5): {reason}"
             ) from None
         base.trainable = False
-    inputs = tf.keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((SIZE, SIZE, 3))
     x = base(inputs, training=False if weights else None)
-    x = tf.keras.layers.Dropout(0.2)(x)
-    return tf.keras.Model(inputs, tf.keras.layers.Dense(classes)(x), name="mobilenet_v2_transfer")
+    x = keras.layers.Dropout(0.2)(x)
+    return keras.Model(inputs, keras.layers.Dense(classes)(x), name="mobilenet_v2_transfer")
 
 
-def _compiled(classes, weights, lr):
+def _compiled(classes, weights, lr, version):
     """`build_model` compiled: Adam(lr), cross-entropy on logits, accuracy."""
-    import tensorflow as tf
-
-    model = build_model(classes, weights)
-    model.compile(
-        tf.keras.optimizers.Adam(lr),
-        tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        ["accuracy"],
+    keras = frontends.keras_module(version)
+    model = build_model(classes, weights, keras)
+    model.compile(  # by keyword: Keras 3's third argument is loss_weights, not metrics
+        optimizer=keras.optimizers.Adam(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
     return model
 
@@ -112,6 +113,7 @@ def main(argv=None):
     parser.add_argument("--data-dir", required=True, help="one sub-folder of images per class")
     parser.add_argument("--weights", help="local MobileNetV2 no-top weights file (.h5)")
     parser.add_argument("--test-fraction", type=float, default=0.1, help="held out (0.1)")
+    frontends.add_keras_flag(parser)
 
     def run(argv):
         from hvdtrain.data import ArrayData
@@ -133,7 +135,9 @@ def main(argv=None):
         )  # fmt: skip
         from hvdtrain.trainer import fit
 
-        return fit(lambda: _compiled(len(classes), args.weights, args.lr), data, args, prog=PROG)
+        frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
+        build = functools.partial(_compiled, len(classes), args.weights, args.lr, args.keras)
+        return fit(build, data, args, prog=PROG)
 
     cli_main(run, argv, PROG)
 

@@ -27,7 +27,7 @@ complete checkpoint.
 
 import os
 
-from hvdtrain import mnist_data, sources
+from hvdtrain import frontends, mnist_data, sources
 from hvdtrain.errors import invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.flags import ArgumentParser
@@ -46,7 +46,7 @@ def _parser():
     p = ArgumentParser(f"python -m {PROG}", __doc__, epochs=15, batch_size=32, lr=1e-3)
     p.add_argument("--model", choices=["convnet", "mlp"], default="convnet")
     p.add_argument("--data-dir", help="folder with mnist.npz or the four MNIST IDX files")
-    p.add_argument("--keras", choices=["2", "3"], default="2", help="the model's Keras (2)")
+    frontends.add_keras_flag(p)
     return p
 
 
@@ -67,13 +67,9 @@ def _download():
 def build_model(name="convnet", lr=1e-3, keras_version="2"):
     """The MNIST classifier `name`, compiled: Adam(lr), cross-entropy on logits, accuracy;
     in Keras 2 (`tf.keras`) or Keras 3 (`keras_version="3"`)."""
-    import tensorflow as tf
-
     from hvdtrain import models
 
-    keras = tf.keras
-    if keras_version == "3":
-        import keras
+    keras = frontends.keras_module(keras_version)
     model = models.build_model(name, keras)
     model.compile(
         optimizer=keras.optimizers.Adam(lr),
@@ -95,8 +91,7 @@ def train(args):
         (x, y), test = mnist_data.load_mnist(source, args.data_dir)
         return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
-    if args.keras == "3":
-        import keras  # noqa: F401  (before fit: it sets Keras 3's seed and precision too)
+    frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
     return fit(lambda: build_model(args.model, args.lr, args.keras), load, args, prog=PROG)
 
 

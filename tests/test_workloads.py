@@ -17,15 +17,17 @@ def _metrics(path):
     return m
 
 
-def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(tmp_path):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(keras, tmp_path):
     acc, big = tmp_path / "acc.npz", tmp_path / "big.npz"
-    run_job(1, "none", [worker("accumulate.py"), str(acc), "16", "2", "8"])
-    run_job(1, "none", [worker("accumulate.py"), str(big), "32", "1", "4"])
+    run_job(1, "none", [worker("accumulate.py"), str(acc), "16", "2", "8", keras])
+    run_job(1, "none", [worker("accumulate.py"), str(big), "32", "1", "4", keras])
     a, b = np.load(acc), np.load(big)
     for k in ("arr_0", "arr_1", "arr_2", "arr_3"):
         np.testing.assert_allclose(a[k], b[k], atol=1e-6, rtol=0)
+    assert a["iterations"] == 8 and b["iterations"] == 4  # every step counts
     two = tmp_path / "two.npz"
-    run_job(2, "gloo", [worker("accumulate.py"), str(two), "8", "2", "8"])
+    run_job(2, "gloo", [worker("accumulate.py"), str(two), "8", "2", "8", keras])
     assert len(set(np.load(two)["digests"])) == 1
 
 
@@ -63,27 +65,16 @@ def test_precision_and_compression_options_keep_ranks_in_sync(flags, tmp_path):
     assert (tmp_path / "ckpt" / "model.keras").exists()
 
 
-def test_cifar10_synthetic_fallback_is_announced(tmp_path):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_cifar10_synthetic_fallback_is_announced(keras, tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_job(
-        2,
-        "gloo",
-        [
-            "-m",
-            "hvdtrain.cifar10",
-            "--epochs",
-            "1",
-            "--limit-samples",
-            "256",
-            "--batch-size",
-            "16",
-            "--metrics-json",
-            str(metrics),
-        ],
-    )
+    args = ["-m", "hvdtrain.cifar10", "--epochs", "1", "--limit-samples", "256",
+            "--batch-size", "16", "--metrics-json", str(metrics), "--keras", keras]  # fmt: skip
+    proc = run_job(2, "gloo", args)
     assert "SYNTHETIC random images" in proc.stdout + proc.stderr
     m = _metrics(metrics)
     assert m["data_source"] == "synthetic" and m["size"] == 2 and m["steps_per_epoch"] == 8
+    assert m["keras"].startswith(f"Keras {keras}")
 
 
 def _cifar_batches(folder, n=8):
@@ -125,38 +116,28 @@ def _image_folder(root, per_class=6):
             (root / name / f"{i}.png").write_bytes(tf.io.encode_png(pixels).numpy())
 
 
-def test_images_transfer_learning_on_a_generated_folder(tmp_path):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_images_transfer_learning_on_a_generated_folder(keras, tmp_path):
     _image_folder(tmp_path / "pets")
     metrics = tmp_path / "m.json"
-    proc = run_job(
-        2,
-        "gloo",
-        [
-            "-m",
-            "hvdtrain.images",
-            "--data-dir",
-            str(tmp_path / "pets"),
-            "--epochs",
-            "1",
-            "--batch-size",
-            "2",
-            "--test-fraction",
-            "0.2",
-            "--metrics-json",
-            str(metrics),
-        ],
-    )
+    args = ["-m", "hvdtrain.images", "--data-dir", str(tmp_path / "pets"), "--epochs", "1",
+            "--batch-size", "2", "--test-fraction", "0.2", "--metrics-json", str(metrics),
+            "--keras", keras]  # fmt: skip
+    proc = run_job(2, "gloo", args)
     assert "random initialisation (no --weights" in proc.stdout + proc.stderr
     m = _metrics(metrics)
     assert m["train_samples"] == 10 and m["test_samples"] == 2 and m["steps_per_epoch"] == 2
+    assert m["keras"].startswith(f"Keras {keras}")
 
 
-def test_images_with_local_weights_freezes_the_base(tmp_path):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_images_with_local_weights_freezes_the_base(keras, tmp_path):
+    from hvdtrain import frontends
     from hvdtrain.images import build_model
 
-    weights = tmp_path / "base.h5"
+    weights = tmp_path / "base.h5"  # a Keras 2 weights file, as Keras applications ship them
     build_model(2).get_layer("mobilenetv2_1.00_224").save_weights(str(weights))
-    model = build_model(2, str(weights))
+    model = build_model(2, str(weights), frontends.keras_module(keras))
     assert not model.get_layer("mobilenetv2_1.00_224").trainable
     assert len(model.trainable_weights) == 2  # the new head only
 
