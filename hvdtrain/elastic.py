@@ -11,7 +11,8 @@ runs it every second) or a hostfile that `hvdtrain-run` turns into one; Gloo onl
         python -m hvdtrain.mnist --elastic
 
 How it works. The recipe's set-up, which has no collectives (model, optimizer with its slots),
-and Horovod's `KerasState(model, optimizer, epoch=0, batch=0, ...)`; then one function under
+and hvdtrain's `ModelState(model, optimizer, epoch=0, batch=0, ...)`, for Keras 2 and Keras 3
+alike (Horovod's `KerasState` is Keras 2 only); then one function under
 `hvd.elastic.run` that does everything else with the recipe's own steps: data, resume from a
 checkpoint, `fit` (watchdog and steps per execution included), the final evaluation.
 Horovod broadcasts rank 0's state (weights, optimizer slots, epoch, step) each time the
@@ -58,7 +59,7 @@ Horovod 0.28.1 pitfalls handled here (see README, "Elastic training"):
   when the size changes (`hvdtrain.optim.rescale_schedule`).
 * Horovod turns the failures of the training function into a rollback, not those of the
   broadcast of rank 0's state before it: a worker dying then ended every worker.
-  `KerasState.sync` turns them into one too.
+  `ModelState.sync` turns them into one too.
 * The epoch's last step is committed once, at the epoch end, not also before the epoch-end
   evaluation as Horovod's `CommitStateCallback` does (a failure in between would restart
   one step past the epoch's end). Its count of batches also assumes one step per call, so
@@ -78,15 +79,16 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import tensorflow as tf
+from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvdtrain import watchdog
+from hvdtrain import optim, watchdog
 from hvdtrain.errors import HvdtrainError
 
 __all__ = [
     "run",
     "guarded",
-    "KerasState",
+    "ModelState",
     "UpdateBatchStateCallback",
     "UpdateEpochStateCallback",
     "CommitStateCallback",
@@ -95,16 +97,46 @@ __all__ = [
 log = logging.getLogger("hvdtrain")
 
 
-class KerasState(hvd_keras.elastic.KerasState):
-    """Horovod's state of a Keras model and optimizer (plus the keyword attributes), whose
-    `sync` turns a failed broadcast into `HorovodInternalError`.
+class ModelState(ObjectState):
+    """Horovod's elastic state of a Keras 2 or Keras 3 model and optimizer (plus the keyword
+    attributes, as Horovod's `ObjectState`): `commit` copies their variables in memory,
+    `restore` puts the copy back, `sync` hands rank 0's to every rank.
 
-    Horovod converts the errors of the training function only; a worker that dies while
-    rank 0's state is broadcast (as one joins, say) would otherwise end every worker.
+    In place of Horovod's `KerasState`, which is Keras 2 only (it calls
+    `optimizer.variables()`, and broadcasts Keras 3 variables not at all), and names its
+    broadcasts by the variables' names, which can differ between ranks
+    (`hvdtrain.optim.broadcast_initial_state` goes by position). A worker that dies during the
+    broadcast (as one joins, say) becomes `HorovodInternalError`, a rollback: Horovod converts
+    the errors of the training function only, and would otherwise end every worker.
     """
+
+    def __init__(self, model, optimizer, **kwargs):
+        self.model, self.optimizer = model, optimizer
+        self._save_variables()
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+
+    def _variables(self):
+        return optim.state_variables(self.model, self.optimizer)
+
+    def _save_variables(self):
+        self._saved = [tf.identity(v) for v in self._variables()]
+
+    def save(self):
+        self._save_variables()
+        super().save()
+
+    def restore(self):
+        for v, saved in zip(self._variables(), self._saved, strict=True):
+            v.assign(saved)
+        super().restore()
+
+    def _bcast_model(self):  # Horovod's name for this step
+        optim.broadcast_initial_state(self.model, self.optimizer)
 
     def sync(self):
         try:
+            self._bcast_model()
+            self._save_variables()
             super().sync()
         except tf.errors.OpError as e:
             if not _is_horovod_failure(e):
@@ -370,7 +402,7 @@ def run(recipe):
     starts, commits and resets). Launched without Horovod Elastic (no
     `--host-discovery-script`/`--min-np`) it is a fixed-size job that cannot recover."""
     recipe.setup()
-    state = KerasState(
+    state = ModelState(
         recipe.model,
         recipe.opt,
         epoch=0,
@@ -403,12 +435,12 @@ def run(recipe):
             commit=commit,
         )
         result, ranks = recipe.evaluate(), recipe.check()
-        mine = {"rank": hvd.rank(), "optimizer_digest": _digest(recipe.opt.variables())}
+        mine = {"rank": hvd.rank(), "optimizer_digest": _digest(recipe.opt.variables)}
         optimizers = hvd.allgather_object(mine, name="hvdtrain.opt") if hvd.size() > 1 else [mine]
         by_rank = {o["rank"]: o["optimizer_digest"] for o in optimizers}
         return result, [{**r, "optimizer_digest": by_rank.get(r["rank"])} for r in ranks]
 
-    out = hvd_keras.elastic.run(guarded(body, record.interrupted))(state)
+    out = hvd.elastic.run(guarded(body, record.interrupted))(state)
     if out is None:  # only if Horovod swallowed an error that body() did not see
         raise HvdtrainError("elastic training stopped on an error Horovod did not report")
     result, ranks = out

@@ -164,13 +164,20 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
     restored from a checkpoint on rank 0 reaches every rank, and the first update already
     starts from identical weights.
     """
-    variables = list(model.variables)
     if optimizer is not None:
         optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
     _by_position(
-        variables, "hvdtrain.broadcast", lambda t, name: hvd.broadcast(t, root_rank, name=name)
+        state_variables(model, optimizer),
+        "hvdtrain.broadcast",
+        lambda t, name: hvd.broadcast(t, root_rank, name=name),
     )
+
+
+def state_variables(model, optimizer=None):
+    """The `tf.Variable`s of `model` and `optimizer` (built), in a fixed order: what a rank
+    must share with the others to train on as they do."""
+    variables = list(model.variables) + list(optimizer.variables if optimizer else [])
+    return _tf_variables(variables)
 
 
 def average_model_state(model):

@@ -142,8 +142,6 @@ class Run:
         if k not in prepared:
             self._prepare(k)
             model = self.build_model()
-        if cfg.elastic and not k.ELASTIC:
-            raise invalid_value("--elastic", True, f"a Keras 2 model ({k.NAME} is not yet)")
         compiled, user_opt = _compiled(model, k)
         if self.policy:  # outputs back to float32 for a stable loss
             model = k.float32_outputs(model)
@@ -469,6 +467,7 @@ class Run:
             "prog": self.prog,
             "status": "running",
             "size": p.size,
+            "keras": self.keras.NAME,
             "epochs": cfg.epochs,
             "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // steps,
             "resumed_from": self.resumed,

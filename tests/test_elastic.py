@@ -263,13 +263,13 @@ def set_hosts(hosts, text):
     os.replace(tmp, hosts)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, jobs):
+@pytest.mark.parametrize("victim, keras", [(1, "2"), (0, "2"), (0, "3")])
+def test_killed_worker_training_goes_on_from_the_last_commit(victim, keras, tmp_path, jobs):
     metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
     job = Job(
         ["--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--", sys.executable,
          "-m", "hvdtrain.mnist", "--elastic", *TRAIN, "--checkpoint-every", "7",
-         "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)],
+         "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics), "--keras", keras],
         marker=str(metrics),
     )  # fmt: skip
     jobs.append(job)
@@ -288,6 +288,7 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, j
 
     m = json.loads(metrics.read_text())
     e = m["elastic"]
+    assert m["keras"].startswith(f"Keras {keras}")
     # Training went on alone: one rank, steps, LR and global batch for one rank.
     assert m["size"] == 1 and [r["pid"] for r in m["ranks"]] == [survivor]
     assert m["steps_per_epoch"] == 40 and m["global_batch_size"] == 32
@@ -320,14 +321,15 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, tmp_path, j
     assert os.path.exists(ckpt / "model.keras")
 
 
-def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_worker_that_joins_is_synchronised_and_trains(keras, tmp_path, jobs):
     metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
     script = discovery(hosts, "localhost:1\n")
     job = Job(
         ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
          "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist",
          "--elastic", *TRAIN, "--epochs", "4", "--limit-samples", "2560",
-         "--metrics-json", str(metrics)],
+         "--metrics-json", str(metrics), "--keras", keras],
         marker=str(metrics),
     )  # fmt: skip
     jobs.append(job)
@@ -343,6 +345,7 @@ def test_worker_that_joins_is_synchronised_and_trains(tmp_path, jobs):
 
     m = json.loads(metrics.read_text())
     e = m["elastic"]
+    assert m["keras"].startswith(f"Keras {keras}")
     assert m["size"] == 2 and sorted(r["rank"] for r in m["ranks"]) == [0, 1]
     assert len({r["pid"] for r in m["ranks"]}) == 2
     # The new worker got rank 0's weights and optimizer state, and trained in step with it.

@@ -7,7 +7,6 @@ from hvdtrain import compat, optim
 
 __all__ = [
     "NAME",
-    "ELASTIC",
     "ONE_EPOCH_PER_FIT",
     "keras",
     "owns",
@@ -26,7 +25,6 @@ __all__ = [
     "checkpoint_extras",
 ]
 
-ELASTIC = True  # Horovod Elastic (hvdtrain.elastic) supports it
 ONE_EPOCH_PER_FIT = False  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 2 (tf-keras)"
 keras = tf.keras

@@ -123,7 +123,7 @@ def sync_fails_once(state_class):
 
 
 out["horovod_sync_failure"] = sync_fails_once(hvd.elastic.KerasState)
-out["hvdtrain_sync_failure"] = sync_fails_once(elastic.KerasState)
+out["hvdtrain_sync_failure"] = sync_fails_once(elastic.ModelState)
 
 with open(sys.argv[1], "w") as f:
     json.dump(out, f)
