@@ -20,6 +20,7 @@ BOUND = 90  # seconds per case; TensorFlow's import is most of it
 RUN = [f"{BIN}/hvdtrain-run"]
 MNIST = [sys.executable, "-m", "hvdtrain.mnist", "--limit-samples", "256", "--progress", "off"]
 IMAGES = [sys.executable, "-m", "hvdtrain.images"]
+KERAS3 = MNIST + ["--keras", "3"]
 
 
 def write(name, content):
@@ -155,6 +156,19 @@ CASES = [
      "2 checkpoint folder(s)", ["ck"]),
     ("ckpt-dir-is-file", MNIST + ["--checkpoint-dir", "{d}/f"], {}, [write("f", "x")], 2,
      "`--checkpoint-dir`", []),
+    # -- Keras 3 (the model built with `import keras`)
+    ("keras-choice", MNIST + ["--keras", "4"], {}, [], 2, "invalid choice: '4'", []),
+    ("keras3-backend-jax", KERAS3, {"KERAS_BACKEND": "jax"}, [], 2,
+     "`KERAS_BACKEND`: received 'jax'", []),
+    ("keras3-metrics-folder", KERAS3 + ["--metrics-json", "{d}"], {}, [], 2, "not a folder", []),
+    ("keras3-manifest-format", KERAS3 + ["--checkpoint-dir", "{d}/ck"], {},
+     [manifest("ck/epoch-0001", format=99)], 2, "it has format 99", ["ck"]),
+    ("keras3-manifest-damaged-required", KERAS3 + ["--checkpoint-dir", "{d}/ck",
+     "--require-resume"], {}, [write("ck/epoch-0002/manifest.json", "{broken")], 2,
+     "1 checkpoint folder(s)", ["ck"]),
+    ("keras3-weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5",
+     "--keras", "3"], {}, [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"),
+     write("w.h5", b"garbage")], 2, "--weights", []),
     # -- model files
     ("weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5"], {},
      [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"), write("w.h5", b"garbage")], 2,
