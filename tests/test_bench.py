@@ -46,6 +46,9 @@ def test_quick_run_writes_json_markdown_and_png(quick):
         ("hvdtrain", 1, None, ""),
         ("hvdtrain", n, "gloo", ""),
         ("hvdtrain", n, "mpi", ""),
+        ("hvdtrain-keras3", 1, None, ""),
+        ("hvdtrain-keras3", n, "gloo", ""),
+        ("hvdtrain-keras3", n, "mpi", ""),
         ("baseline", 1, None, ""),
         ("baseline", n, "gloo", ""),
         ("baseline", n, "mpi", ""),
@@ -62,6 +65,8 @@ def test_quick_run_writes_json_markdown_and_png(quick):
             assert 0 < r[key] < 2
         assert r["vs_baseline"] > 0 and r["vs_mwms"] > 0 and r["vs_keras"] > 0
         assert r["hvdtrain_efficiency"] == pytest.approx(r["hvdtrain_n"] / (n * r["hvdtrain_1"]))
+        assert r["keras3_vs_keras2_n"] == pytest.approx(r["keras3_n"] / r["hvdtrain_n"])
+        assert r["keras3_vs_baseline"] > 0 and 0 < r["keras3_efficiency"] < 2
     assert [t["target"] for t in data["targets"]][:3] == [
         "MLP scaling efficiency",
         "MLP hvdtrain / baseline",
@@ -86,7 +91,9 @@ def test_quick_run_writes_json_markdown_and_png(quick):
     assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0
     assert data["targets"][0]["machine_ceiling"] == ceiling["ceiling"]
     md = (out / "bench.md").read_text()
-    for heading in ("## Throughput", "## Targets", "ceiling", "## Allreduce", "## Projection"):
+    headings = ("## Throughput", "## Keras 3 against Keras 2", "## Targets", "ceiling",
+                "## Allreduce", "## Projection")  # fmt: skip
+    for heading in headings:
         assert heading in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -97,9 +104,11 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
     args = parse_args(["--np", "2", "--rounds", "2"])
     runs = plan_runs(args)
     main = [r for r in runs if r.group == "main"]
-    assert len(main) == 2 * (1 + 2 + 2 + 2)  # -np 1 shared; hvdtrain, baseline x 2; mwms x 2
+    # -np 1 shared; hvdtrain, hvdtrain-keras3, baseline x 2 backends; mwms x 2
+    assert len(main) == 2 * (1 + 2 + 2 + 2 + 2)
     assert {(r.variant, r.np, r.backend) for r in main} >= {
-        ("keras,hvdtrain,baseline", 1, None),
+        ("keras,hvdtrain,hvdtrain-keras3,baseline", 1, None),
+        ("hvdtrain-keras3", 2, "mpi"),
         ("mwms", 1, None),
         ("hvdtrain", 2, "gloo"),
         ("hvdtrain", 2, "mpi"),
@@ -108,7 +117,10 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
     }
     assert "mlp,convnet" in main[0].args and "32,64,128" in main[0].args
     singles = [r.variant for r in main if r.np == 1 and r.variant != "mwms"]
-    assert singles == ["keras,hvdtrain,baseline", "baseline,hvdtrain,keras"]  # none always first
+    assert singles == [  # none always first
+        "keras,hvdtrain,hvdtrain-keras3,baseline",
+        "baseline,hvdtrain-keras3,hvdtrain,keras",
+    ]
     assert [r.group for r in runs].count("sweep") == 2
     assert any(r.group == "tuning" for r in runs)
     assert len({r.name for r in runs}) == len(runs)
@@ -214,6 +226,8 @@ def test_summary_efficiency_ratios_and_targets():
         _result("keras", 1, None, 1000, "same compile options"),
         _result("hvdtrain", 1, None, 1000),
         _result("hvdtrain", 2, "mpi", 1900),
+        _result("hvdtrain-keras3", 1, None, 900),
+        _result("hvdtrain-keras3", 2, "mpi", 1710),
         _result("baseline", 1, None, 900),
         _result("baseline", 2, "mpi", 1000),
         _result("mwms", 1, None, 400),
@@ -227,6 +241,8 @@ def test_summary_efficiency_ratios_and_targets():
     assert row["vs_baseline"] == pytest.approx(1.9)
     assert row["vs_mwms"] == pytest.approx(4.75)
     assert row["vs_keras"] == pytest.approx(1.0)
+    assert row["keras3_vs_keras2_n"] == pytest.approx(0.9)
+    assert row["keras3_efficiency"] == pytest.approx(0.95)
     met = {t["target"]: t["met"] for t in s["targets"]}
     assert met["MLP scaling efficiency"] and met["MLP hvdtrain / baseline"]
     assert met["convnet scaling efficiency"] is None  # not measured
@@ -241,6 +257,9 @@ def test_summary_efficiency_ratios_and_targets():
         "projection": {"rows": [], "paper_check": []},
     }
     assert "| mlp | 64 | mpi |" in markdown(data)
+    assert "| mlp | 64 | mpi | 900 | 1,000 | 0.90 | 1,710 | 1,900 | 0.90 | 0.95 | 1.71x |" in (
+        markdown(data)
+    )
 
 
 def test_log_results_get_every_process_cpu_so_the_ceiling_is_not_noise(tmp_path):

@@ -29,7 +29,7 @@ MLP_GRADIENT_BYTES = 269_322 * 4  # 784-256-256-10, float32: the MLP's allreduce
 SWEEP_SIZES = tuple(sorted({4096 * 4**i for i in range(8)} | {MLP_GRADIENT_BYTES}))  # 4 KB-64 MB
 QUICK_SWEEP_SIZES = (4096, MLP_GRADIENT_BYTES)
 MODELS = ("mlp", "convnet")
-VARIANTS = ("keras", "hvdtrain", "baseline", "mwms")
+VARIANTS = ("keras", "hvdtrain", "hvdtrain-keras3", "baseline", "mwms")
 # Steps per timed window: about half a second to two seconds on one core.
 STEPS = "mlp=256,convnet=16"
 QUICK_STEPS = "mlp=32,convnet=4"

@@ -95,13 +95,15 @@ def _comparison(figures, n):
     )
     backends = sorted({f["backend"] for f in figures if f["variant"] == "hvdtrain" and f["np"] > 1})
     for model, batch in keys:
-        one = {v: _get(figures, v, 1, model, batch) for v in ("hvdtrain", "baseline", "mwms")}
+        variants = ("hvdtrain", "hvdtrain-keras3", "baseline", "mwms")
+        one = {v: _get(figures, v, 1, model, batch) for v in variants}
         keras_plain = _get(figures, "keras", 1, model, batch, label=KERAS_PLAIN)
         keras_same = _get(figures, "keras", 1, model, batch, label=KERAS_SAME)
         mwms = _get(figures, "mwms", n, model, batch)
         for backend in backends or [None]:
             hvt = _get(figures, "hvdtrain", n, model, batch, backend)
             base = _get(figures, "baseline", n, model, batch, backend)
+            k3 = _get(figures, "hvdtrain-keras3", n, model, batch, backend)
 
             def eff(fig, variant, one=one):
                 ratio = _ratio(fig, one[variant])
@@ -128,6 +130,12 @@ def _comparison(figures, n):
                     "vs_mwms": _ratio(hvt, mwms),
                     "vs_keras": _ratio(one["hvdtrain"], keras_same),
                     "vs_keras_plain": _ratio(one["hvdtrain"], keras_plain),
+                    "keras3_1": _sps(one["hvdtrain-keras3"]),
+                    "keras3_n": _sps(k3),
+                    "keras3_efficiency": eff(k3, "hvdtrain-keras3"),
+                    "keras3_vs_keras2_1": _ratio(one["hvdtrain-keras3"], one["hvdtrain"]),
+                    "keras3_vs_keras2_n": _ratio(k3, hvt),
+                    "keras3_vs_baseline": _ratio(k3, base),
                 }
             )
     return rows
@@ -367,6 +375,29 @@ def _fmt(value, spec=",.0f", none="-"):
     return none if value is None else format(value, spec)
 
 
+def _keras3_table(rows, n):
+    """hvdtrain's Keras 3 path against its Keras 2 path, side by side (when measured)."""
+    rows = [r for r in rows if r["keras3_1"] or r["keras3_n"]]
+    if not rows:
+        return []
+    lines = [
+        "## Keras 3 against Keras 2 (hvdtrain, the same models, batches and backends)",
+        "",
+        f"| model | batch | backend | Keras 3 -np 1 | Keras 2 -np 1 | ratio | Keras 3 -np {n} | "
+        f"Keras 2 -np {n} | ratio | Keras 3 eff. | Keras 3 / baseline |",
+        "|" + " --- |" * 11,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch_size']} | {r['backend']} | {_fmt(r['keras3_1'])} | "
+            f"{_fmt(r['hvdtrain_1'])} | {_fmt(r['keras3_vs_keras2_1'], '.2f')} | "
+            f"{_fmt(r['keras3_n'])} | {_fmt(r['hvdtrain_n'])} | "
+            f"{_fmt(r['keras3_vs_keras2_n'], '.2f')} | {_fmt(r['keras3_efficiency'], '.2f')} | "
+            f"{_fmt(r['keras3_vs_baseline'], '.2f')}x |"
+        )
+    return lines + [""]
+
+
 def markdown(data):
     """The whole report as Markdown."""
     n = data["config"]["np"]
@@ -411,6 +442,7 @@ def markdown(data):
         "Keras fit: plain `compile` (in brackets: with hvdtrain's compile options). MWMS runs "
         "over gRPC whatever the backend column says. Baseline: Horovod's documented Keras recipe.",
         "",
+        *_keras3_table(data["comparison"], n),
         f"## Targets (-np {n}, per-rank batch {TARGET_BATCH}, hvdtrain on "
         f"{data['default_backend']}, the hvdtrain-run default on one host)",
         "",

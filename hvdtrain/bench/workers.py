@@ -15,6 +15,8 @@ Variants, all on the same synthetic data, models, per-rank batch and cores:
   tutorial (TF_CONFIG set by the launcher, global batch = per-worker batch x workers).
 - `keras`: plain Keras `fit`, no Horovod, one process (the reference for `hvdtrain` at -np 1);
   `--steps-per-execution` gives it the same compile settings as hvdtrain.
+- `hvdtrain-keras3`: `hvdtrain` with the same models built with Keras 3 (`import keras`):
+  hvdtrain's Keras 3 optimizer in place of Horovod's Keras 2 one.
 - `hvdtrain-tfrecord`: `hvdtrain` with the same samples read from TFRecord files through
   `hvdtrain.FileData` (written once per host under HVDBENCH_DATA, by default the system's
   temporary folder), instead of from memory.
@@ -42,7 +44,15 @@ __all__ = ["main", "bind_to_cores", "local_rank_from_env", "result_key", "MARKER
 
 MARKER = "@@hvdbench "
 CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window
-VARIANTS = ("hvdtrain", "baseline", "mwms", "keras", "hvdtrain-tfrecord", "input-tfrecord")
+VARIANTS = (
+    "hvdtrain",
+    "hvdtrain-keras3",
+    "baseline",
+    "mwms",
+    "keras",
+    "hvdtrain-tfrecord",
+    "input-tfrecord",
+)
 _RECORDED_ENV = ("HOROVOD_", "OMPI_MCA_", "HVDBENCH_", "OMP_NUM_THREADS", "TF_ENABLE_ONEDNN")
 _LOCAL_RANK_VARS = ("HVDBENCH_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
@@ -218,27 +228,31 @@ def _run_input(args, batch, steps, x, y):
     return windows, {}, 0
 
 
-def _run_hvdtrain(args, model_name, batch, steps, x, y, files=False):
+def _run_hvdtrain(args, model_name, batch, steps, x, y, files=False, keras_version="2"):
     import horovod.tensorflow as hvd
-    import tensorflow as tf
 
     import hvdtrain
+    from hvdtrain import frontends
     from hvdtrain.models import build_model
 
+    keras = frontends.keras_module(keras_version)
     size = hvd.size()
     ds = _input_dataset(x, y, batch, steps, 1 + args.repeats, files)
-    model = build_model(model_name)
-    schedule = hvdtrain.WarmupSchedule(1e-3, size, warmup_steps=steps)
-    opt = hvdtrain.distributed_optimizer(tf.keras.optimizers.Adam(schedule))
+    model = build_model(model_name, keras)
+    schedule = frontends.for_model(model).WarmupSchedule(1e-3, size, warmup_steps=steps)
+    opt = hvdtrain.distributed_optimizer(keras.optimizers.Adam(schedule))
     options = hvdtrain.compile_options(steps)
     if args.steps_per_execution:
         options["steps_per_execution"] = args.steps_per_execution
-    model.compile(opt, loss=_loss(), metrics=["accuracy"], **options)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(opt, loss=loss, metrics=["accuracy"], **options)
     hvdtrain.broadcast_initial_state(model, opt)
     windows = []
     model.fit(
         ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=[_timer(windows)], verbose=0
     )
+    if keras_version == "3":
+        keras.backend.clear_session()
     return windows, options, model.count_params()
 
 
@@ -369,6 +383,8 @@ def main(argv=None):
                     if variant in ("hvdtrain", "hvdtrain-tfrecord"):
                         files = variant == "hvdtrain-tfrecord"
                         out = _run_hvdtrain(args, model_name, batch, steps, x, y, files)
+                    elif variant == "hvdtrain-keras3":
+                        out = _run_hvdtrain(args, model_name, batch, steps, x, y, False, "3")
                     elif variant == "input-tfrecord":
                         out = _run_input(args, batch, steps, x, y)
                     elif variant == "baseline":
