@@ -156,15 +156,16 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
 
 
 class _Sums:
-    """One rank's gradient sums of an accumulation cycle, one per variable (by its path)."""
+    """One rank's gradient sums of an accumulation cycle, one per variable (the object: two
+    variables of nested models may share a path)."""
 
     def __init__(self, variables):
-        self.by_path = {
-            v.path: tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in variables
+        self.by_id = {
+            id(v): tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in variables
         }
 
     def of(self, variable):
-        return self.by_path[variable.path]
+        return self.by_id[id(variable)]
 
 
 class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
