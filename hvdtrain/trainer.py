@@ -143,6 +143,8 @@ class Run:
             self._prepare(k)
             model = self.build_model()
         compiled, user_opt = _compiled(model, k)
+        # XLA asked for, or chosen by Keras 3 itself ("auto" means XLA on a GPU).
+        xla = compiled.get("jit_compile") is True or getattr(model, "jit_compile", None) is True
         if self.policy:  # outputs back to float32 for a stable loss
             model = k.float32_outputs(model)
         # Horovod: the single-worker LR (a number or a schedule) x ranks after a warmup; the
@@ -159,8 +161,8 @@ class Run:
         opt.learning_rate = self.schedule  # Horovod rebuilt it with a copy: see rescale_schedule
         if self.policy == "mixed_float16":
             opt = k.loss_scale(opt)
-        if compiled.get("jit_compile") is True:
-            self.log.warning("jit_compile=True ignored: Horovod's allreduce cannot be XLA-compiled")
+        if xla:
+            self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         self.spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
         model.compile(

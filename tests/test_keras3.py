@@ -104,3 +104,18 @@ def test_keras3_loss_scaling_skips_a_step_on_every_rank_when_one_ranks_gradients
     assert ranks[0]["w"] == ranks[1]["w"] == pytest.approx([1 - 0.05 / 2**14] * 3, abs=1e-7)
     assert ranks[0]["scale"] == ranks[1]["scale"] == 2.0**14  # halved once, from 2**15
     assert ranks[0]["iterations"] == ranks[1]["iterations"] == 2  # the skipped step counts
+
+
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_xla_asked_for_is_turned_off_in_one_line(keras, tmp_path):
+    """Horovod's allreduce cannot run inside XLA: a model compiled with jit_compile=True
+    (or, on Keras 3, "auto" on a GPU) trains without it, and rank 0 says so once."""
+    from conftest import worker
+
+    metrics = tmp_path / "m.json"
+    args = [worker("recipe.py"), "--keras", keras, "--jit-compile", "--epochs", "1",
+            "--metrics-json", str(metrics)]  # fmt: skip
+    proc = run_job(2, "gloo", args)
+    out = proc.stdout + proc.stderr
+    assert out.count("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled") == 1
+    assert "Traceback" not in out and json.loads(metrics.read_text())["size"] == 2

@@ -18,6 +18,7 @@ JSON's folder becomes a file when training ends (the final write fails). --fill-
 N: rank 0 fills the checkpoint folder's file system when epoch N begins.
 """
 
+import functools
 import glob
 import os
 import signal
@@ -32,7 +33,7 @@ import hvdtrain
 FEATURES = 8
 
 
-def build_model_keras3():
+def build_model_keras3(jit_compile="auto"):
     import keras
 
     model = keras.Sequential(
@@ -48,11 +49,12 @@ def build_model_keras3():
         optimizer=keras.optimizers.Adam(0.01),
         loss="binary_crossentropy",
         metrics=["accuracy", keras.metrics.AUC(name="auc")],
+        jit_compile=jit_compile,
     )
     return model
 
 
-def build_model():
+def build_model(jit_compile=None):
     model = tf.keras.Sequential(
         [
             tf.keras.Input((FEATURES,)),
@@ -66,6 +68,7 @@ def build_model():
         tf.keras.optimizers.Adam(0.01),
         "binary_crossentropy",
         ["accuracy", tf.keras.metrics.AUC(name="auc")],
+        jit_compile=jit_compile,
     )
     return model
 
@@ -217,6 +220,7 @@ def main():
     parser.add_argument("--no-test", action="store_true", help="no test set")
     parser.add_argument("--then-epochs", type=int, default=0, help="fit again to N epochs")
     parser.add_argument("--keras", choices=["2", "3"], default="2", help="the model's Keras")
+    parser.add_argument("--jit-compile", action="store_true", help="compile with XLA asked")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
@@ -237,6 +241,8 @@ def main():
 
         data = data_that_never_loads_on_rank_1
     build = build_model_keras3 if args.keras == "3" else build_model
+    if args.jit_compile:
+        build = functools.partial(build, jit_compile=True)
     result = hvdtrain.fit(build, data, args, callbacks=callbacks)
     if args.then_epochs:
         result = hvdtrain.fit(build, data, args, epochs=args.then_epochs)
