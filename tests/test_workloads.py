@@ -35,6 +35,7 @@ def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(keras, tmp_p
     "flags",
     [
         ["--mixed-precision", "bfloat16", "--fp16-allreduce", "--accumulate", "2"],
+        ["--mixed-precision", "bfloat16", "--fp16-allreduce", "--accumulate", "2", "--keras", "3"],
         ["--mixed-precision", "float16"],  # loss scaling around the distributed optimizer
     ],
 )
