@@ -294,3 +294,33 @@ def test_log_results_get_every_process_cpu_so_the_ceiling_is_not_noise(tmp_path)
     log.write_text("\n".join(lines) + "\n")
     [r] = read_log(log)
     assert r["external_cores"] == [0.5, 0.5, 0.5] and r["noisy"]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["DistributedAdam_Allreduce/cond/HorovodAllreduce_grads_0", "HorovodAllreduce_grads_1_0"],
+        ["while/cond/hvdtrain.gradients_1of2", "while/cond/hvdtrain.gradients_2of2"],
+    ],
+    ids=["keras2", "keras3"],
+)
+def test_timeline_summary_reads_both_keras_gradient_names(names):
+    """Per step (every 10 ms): both gradients submitted 1 ms apart, negotiated and reduced in
+    one response that ends 3 ms after the last one was submitted."""
+    from hvdtrain.bench.timeline import summarize_timeline
+
+    events = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+              for p, n in enumerate(names, 1)]  # fmt: skip
+    for step in range(8):
+        t = step * 10_000
+        for pid in (1, 2):
+            submit = t + (pid - 1) * 1_000
+            events += [
+                {"ph": "B", "pid": pid, "name": "NEGOTIATE_ALLREDUCE", "ts": submit},
+                {"ph": "E", "pid": pid, "ts": t + 1_500},
+                {"ph": "B", "pid": pid, "name": "ALLREDUCE", "ts": t + 1_600},
+                {"ph": "E", "pid": pid, "ts": t + 4_000},
+            ]
+    summary = summarize_timeline(json.dumps(events), skip_steps=2)
+    assert summary["tensors"] == 2 and summary["responses"] == 1
+    assert summary["period"] == 10 and summary["after_last_gradient"] == 3

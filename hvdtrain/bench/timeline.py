@@ -36,7 +36,7 @@ def load_events(text):
 
 def allreduce_instances(events):
     """{tensor name: [one dict per allreduce of that tensor, in order]} for every tensor
-    whose name mentions Allreduce (the gradients)."""
+    whose name mentions Allreduce or hvdtrain.gradient (the gradients, on Keras 2 or 3)."""
     names = {
         e["pid"]: e.get("args", {}).get("name", "")
         for e in events
@@ -48,7 +48,7 @@ def allreduce_instances(events):
     for e in events:
         pid, ph = e.get("pid"), e.get("ph")
         name = names.get(pid, "")
-        if "Allreduce" not in name:
+        if "Allreduce" not in name and "hvdtrain.gradient" not in name:
             continue
         stack = open_spans.setdefault(pid, [])
         if ph == "B":
