@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make train   # installs what is missing, then trains MNIST on 2 ranks of this host
-#   make test    # installs what is missing, then lint + the whole test suite
+#   make test    # installs what is missing, then lint + the test suite but its slow scenarios
+#   make test-slow   # the slow scenarios (pytest -m slow); CI (.ci/run) runs both
 # A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
 #   TF_VERSION=2.15.1 make test   # the 2023 stack (TensorFlow 2.15.1, Python 3.11) in .venv-tf2.15.1
 #   PYTHON=python3.12 make test   # that interpreter rather than the newest fitting one
@@ -17,7 +18,7 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test train test lint clean image image-gpu
+.PHONY: setup setup-test train test test-slow lint clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
@@ -32,8 +33,13 @@ train: setup
 lint: setup
 	ruff check . && ruff format --check .
 
+# The slow scenarios (kills and cuts over many runs, elastic, SLURM, namespace hosts, the Docker
+# image, the benchmark's quick run) keep `make test` under 45 minutes here: `make test-slow`.
 test: setup-test lint
-	python -m pytest
+	python -m pytest -m "not slow"
+
+test-slow: setup-test
+	python -m pytest -m slow
 
 # The images (Dockerfile): CPU on a debootstrapped Debian 12 (root and debootstrap, or
 # BASE_IMAGE=debian:bookworm-slim from a registry), GPU on CUDA 12.5. BUILD_CA=/path/ca.crt:

@@ -36,6 +36,21 @@ def _environ_per_module():
             os.environ[name] = value
 
 
+@pytest.hookimpl(trylast=True)  # after the durations: the run's last words
+def pytest_terminal_summary(terminalreporter, config):
+    """`make test` leaves the slow scenarios out: say so, and how to run them."""
+    if "not slow" not in config.option.markexpr:
+        return
+    slow = [i for i in terminalreporter.stats.get("deselected", []) if i.get_closest_marker("slow")]
+    if slow:
+        terminalreporter.write_line(
+            f"left out: {len(slow)} slow scenario(s) (-m 'not slow'); `make test-slow` runs "
+            "them, and CI runs both (.ci/run)",
+            yellow=True,
+            bold=True,
+        )
+
+
 def tf_version():
     """The installed TensorFlow's (major, minor), read without importing it."""
     from importlib.metadata import PackageNotFoundError, version

@@ -29,6 +29,7 @@ def quick(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json_markdown_and_png(quick):
     out, proc = quick
     assert "[1/" in proc.stderr and "samples/s" in proc.stderr  # progress while it runs

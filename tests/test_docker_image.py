@@ -23,7 +23,8 @@ import time
 import pytest
 from conftest import LEGACY_KERAS, ROOT, job_env, tf_version
 
-pytestmark = pytest.mark.timeout(2400)  # a cold build (Horovod from source) is part of the first
+# a cold build (Horovod from source) is part of the first test
+pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]
 
 DATA_ROOT = os.path.expanduser("~/.cache/hvdtrain/docker")
 IMAGE = "hvdtrain:cpu"

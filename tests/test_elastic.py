@@ -263,7 +263,9 @@ def set_hosts(hosts, text):
     os.replace(tmp, hosts)
 
 
-@pytest.mark.parametrize("victim, keras", [(1, "2"), (0, "2"), (0, "3")])
+@pytest.mark.parametrize(
+    "victim, keras", [(1, "2"), pytest.param(0, "2", marks=pytest.mark.slow), (0, "3")]
+)
 def test_killed_worker_training_goes_on_from_the_last_commit(victim, keras, tmp_path, jobs):
     metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
     job = Job(
@@ -321,7 +323,7 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, keras, tmp_
     assert os.path.exists(ckpt / "model.keras")
 
 
-@pytest.mark.parametrize("keras", ["2", "3"])
+@pytest.mark.parametrize("keras", [pytest.param("2", marks=pytest.mark.slow), "3"])
 def test_worker_that_joins_is_synchronised_and_trains(keras, tmp_path, jobs):
     metrics, hosts = tmp_path / "m.json", tmp_path / "hosts.txt"
     script = discovery(hosts, "localhost:1\n")
@@ -363,6 +365,7 @@ def test_worker_that_joins_is_synchronised_and_trains(keras, tmp_path, jobs):
     assert m["optimizer_iterations"] == 4 * 40 and len(m["history"]["loss"]) == 4
 
 
+@pytest.mark.slow
 def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path, jobs):
     """One worker starts, a second joins (another host name of this machine), the first is
     killed: the one that joined ends the job as rank 0, and its metrics describe the whole
@@ -406,6 +409,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
     print(f"job {job_wall:.0f} s; the last worker's own process {own:.0f} s")
 
 
+@pytest.mark.slow
 def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):
     """A user's script (tests/workers/recipe.py: its own model and data) through
     `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1 stops making progress

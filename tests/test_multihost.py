@@ -7,7 +7,7 @@ import pytest
 from netns_hosts import NamespaceHosts, cannot_make_namespaces
 
 why_not = cannot_make_namespaces()
-pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
+pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

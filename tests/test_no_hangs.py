@@ -26,8 +26,7 @@ STALL = 5  # seconds, for every job here
 SLACK = 30  # launcher teardown and a loaded machine
 FAULTS = worker("faults.py")
 RECORD = []  # (case, job seconds, seconds after the fault), printed at the end
-# Two slower cases (about 55 s), run by `make test` and CI like every other; deselect them
-# for a quick local run with `python -m pytest -m "not slow"`.
+# Two slower cases (about 55 s): `make test-slow` and CI run them, `make test` leaves them out.
 slow = pytest.mark.slow
 
 

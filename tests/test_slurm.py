@@ -8,7 +8,7 @@ from conftest import ROOT, job_env
 from slurm_cluster import SlurmCluster, cannot_run_slurm
 
 why_not = cannot_run_slurm()
-pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
+pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
