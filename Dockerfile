@@ -82,7 +82,7 @@ RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV" \
 # build only.
 COPY launch/install_horovod.sh launch/horovod-0.28.1.patch /opt/hvdtrain/launch/
 RUN if [ -n "$HOROVOD_GPU_OPERATIONS" ]; then \
-        nccl="$(python -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))')" \
+        nccl="$(python -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')" \
         && ln -sf libnccl.so.2 "$nccl/lib/libnccl.so" \
         && ldconfig /usr/local/cuda/lib64/stubs \
         && export HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED; \
