@@ -2,8 +2,9 @@
 #
 #   make image       # CPU: Debian 12 (Python 3.11), tensorflow-cpu 2.21 + tf-keras, Horovod 0.28.1
 #                    # (Gloo, MPI); its base is debootstrapped here (launch/docker_base.sh)
-#   make image-gpu   # GPU: CUDA 12.5 on Ubuntu 24.04 (Python 3.12), TensorFlow 2.21's CUDA build,
-#                    # Horovod 0.28.1 with NCCL, Gloo and MPI (the defaults below)
+#   make image-gpu   # GPU: Debian 13 (Python 3.13), debootstrapped here too; TensorFlow 2.21's
+#                    # CUDA build with the CUDA libraries of its pip wheels, Horovod 0.28.1 with
+#                    # NCCL, Gloo and MPI (the defaults below); no image registry needed
 #   docker run --rm --gpus all --ipc=host hvdtrain:gpu \
 #       horovodrun -np 4 -H localhost:4 python -m hvdtrain.mnist
 #
@@ -22,22 +23,27 @@
 # `sshAuthMountPath: /home/hvd/.ssh` (its default, /root/.ssh, is for images that run as root),
 # `runAsUser: 1000`, and give the workers the sshd command above.
 
-# The GPU base: the CUDA toolkit (nvcc and headers) that Horovod's GPU code compiles with: 12.5,
-# what TensorFlow 2.21's CUDA libraries on pip are (its `and-cuda` extra asks for cuda-runtime >=
-# 12.5.82, cuDNN >= 9.3, NCCL >= 2.27.7). Ubuntu 24.04 brings Python 3.12 and gcc 13 (the patch
-# adds the includes gcc 13 needs). The CPU image sets BASE_IMAGE, PYTHON_VERSION,
-# TENSORFLOW_PACKAGE and HOROVOD_GPU_OPERATIONS (see the Makefile).
-ARG BASE_IMAGE=nvidia/cuda:12.5.1-devel-ubuntu24.04
+# The GPU base: a debootstrapped Debian 13 (launch/docker_base.sh). At run time the image's only
+# CUDA is the one of TensorFlow's pip wheels (`tensorflow[and-cuda]`: cudart, cuBLAS, cuDNN, NCCL,
+# pinned by launch/constraints-gpu.txt); Horovod's CUDA calls resolve through TensorFlow's own
+# library. No CUDA 12 nvcc is on PyPI (the nvcc wheel holds ptxas only), so the build stage
+# compiles Horovod's few CUDA kernels with Debian 13's nvcc (nvidia-cuda-toolkit 12.4, non-free;
+# gcc 13, the newest it takes), which the final image does not carry. With
+# BASE_IMAGE=nvidia/cuda:12.5.1-devel-ubuntu24.04 and PYTHON_VERSION=3.12 the CUDA image's
+# toolkit is used instead. The CPU image sets BASE_IMAGE, PYTHON_VERSION, TENSORFLOW_PACKAGE and
+# HOROVOD_GPU_OPERATIONS (see launch/docker_image.sh).
+ARG BASE_IMAGE=hvdtrain/debian:trixie
 
 FROM ${BASE_IMAGE} AS build
 # The pins below must agree with constraints.txt (tests/test_dockerfile.py checks).
-ARG PYTHON_VERSION=3.12
+ARG PYTHON_VERSION=3.13
 ARG TENSORFLOW_PACKAGE=tensorflow[and-cuda]
 ARG TENSORFLOW_VERSION=2.21.0
-# NCCL for GPU tensors, or empty for the CPU image. The NCCL is the one TensorFlow 2.21 asks
-# for; Horovod is built against the same pip copy, so one NCCL is loaded in each rank.
+# NCCL for GPU tensors, or empty for the CPU image. TensorFlow 2.21 asks for NCCL >= 2.27.7;
+# 2.32.3 is the one pip resolves today. Horovod is built against the same pip copy, so one NCCL
+# is loaded in each rank.
 ARG HOROVOD_GPU_OPERATIONS=NCCL
-ARG NCCL_PIP_VERSION=2.27.7
+ARG NCCL_PIP_VERSION=2.32.3
 ARG DEBIAN_FRONTEND=noninteractive
 ARG PIP_NO_CACHE_DIR=1
 ARG PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -53,6 +59,15 @@ RUN apt-get update \
         "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
         openmpi-bin libopenmpi-dev openssh-client \
     && rm -rf /var/lib/apt/lists/*
+# The CUDA compiler for Horovod's kernels, on a base without one (the Debian one): Debian's
+# toolkit (non-free; contrib for the driver library it depends on), for this stage only.
+# hadolint ignore=DL3008
+RUN if [ -n "$HOROVOD_GPU_OPERATIONS" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then \
+        sed -i -E 's/^(deb .*) main$/\1 main contrib non-free/' /etc/apt/sources.list \
+        && apt-get update \
+        && apt-get install -y --no-install-recommends nvidia-cuda-toolkit gcc-13 g++-13 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 # The build option above: extra certificate authorities, for this stage only.
 COPY launch/docker-ca/ /usr/local/share/ca-certificates/hvdtrain-build/
 RUN update-ca-certificates >/dev/null
@@ -64,11 +79,14 @@ ENV TF_USE_LEGACY_KERAS=1
 # TensorFlow (the CUDA build with the CUDA libraries it was tested with, or tensorflow-cpu) and
 # Keras 2 without its `tensorflow` requirement (already met). numpy and the rest come from
 # constraints.txt, as on the host; the build tools are the host set-up's.
-COPY constraints.txt /opt/hvdtrain/constraints.txt
+COPY constraints.txt launch/constraints-gpu.txt /opt/hvdtrain/
 RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir "pip<25" \
     && grep -v '^tensorflow-cpu==' /opt/hvdtrain/constraints.txt >/tmp/constraints.txt \
-    && nccl="" && if [ -n "$HOROVOD_GPU_OPERATIONS" ]; then nccl="nvidia-nccl-cu12==${NCCL_PIP_VERSION}"; fi \
+    && nccl="" && if [ -n "$HOROVOD_GPU_OPERATIONS" ]; then \
+        nccl="nvidia-nccl-cu12==${NCCL_PIP_VERSION}" \
+        && grep '==' /opt/hvdtrain/constraints-gpu.txt >>/tmp/constraints.txt; \
+    fi \
     && pip install --no-cache-dir -c /tmp/constraints.txt \
         "${TENSORFLOW_PACKAGE}==${TENSORFLOW_VERSION}" ${nccl:+"$nccl"} \
         numpy cmake "wheel<1" "setuptools>=65,<81" "packaging>=20" \
@@ -84,8 +102,12 @@ COPY launch/install_horovod.sh launch/horovod-0.28.1.patch /opt/hvdtrain/launch/
 RUN if [ -n "$HOROVOD_GPU_OPERATIONS" ]; then \
         nccl="$(python -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')" \
         && ln -sf libnccl.so.2 "$nccl/lib/libnccl.so" \
-        && ldconfig /usr/local/cuda/lib64/stubs \
-        && export HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED; \
+        && export HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED \
+        && if [ -x /usr/local/cuda/bin/nvcc ]; then \
+            ldconfig /usr/local/cuda/lib64/stubs && export HOROVOD_CUDA_HOME=/usr/local/cuda; \
+        else \
+            export HOROVOD_CUDA_HOME=/usr CC=gcc-13 CXX=g++-13; \
+        fi; \
     fi \
     && HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS" \
         PYTHON="$VIRTUAL_ENV/bin/python" CONSTRAINTS=/opt/hvdtrain/constraints.txt \
@@ -101,7 +123,8 @@ RUN python -c 'import configparser; c = configparser.ConfigParser(); c.read("/op
 
 
 FROM ${BASE_IMAGE}
-ARG PYTHON_VERSION=3.12
+ARG PYTHON_VERSION=3.13
+ARG HOROVOD_GPU_OPERATIONS=NCCL
 ARG SSH_PORT=2222
 ARG HVD_UID=1000
 ARG DEBIAN_FRONTEND=noninteractive
@@ -155,7 +178,7 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index /opt/hv
 # The finished environment: TensorFlow (the CUDA build on GPU), Keras 2 as tf.keras, Horovod's
 # build (the stub libcuda only for this check, on GPU).
 RUN if [ -d /usr/local/cuda/lib64/stubs ]; then ldconfig /usr/local/cuda/lib64/stubs; fi \
-    && python -c 'import os, tensorflow as tf, horovod.tensorflow.keras, mpi4py, hvdtrain, hvdtrain.compat as c; c.require_keras2(); gpu = os.path.isdir("/usr/local/cuda"); assert tf.test.is_built_with_cuda() == gpu, "TensorFlow is not the build for this image"' \
+    && python -c 'import os, tensorflow as tf, horovod.tensorflow.keras, mpi4py, hvdtrain, hvdtrain.compat as c; c.require_keras2(); gpu = bool(os.environ["HOROVOD_GPU_OPERATIONS"]); assert tf.test.is_built_with_cuda() == gpu, "TensorFlow is not the build for this image"' \
     && horovodrun --check-build \
     && ldconfig
 

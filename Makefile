@@ -42,7 +42,8 @@ test-slow: setup-test
 	python -m pytest -m slow
 
 # The images (Dockerfile): CPU on a debootstrapped Debian 12 (root and debootstrap, or
-# BASE_IMAGE=debian:bookworm-slim from a registry), GPU on CUDA 12.5. BUILD_CA=/path/ca.crt:
+# BASE_IMAGE=debian:bookworm-slim from a registry), GPU on a debootstrapped Debian 13 with
+# TensorFlow's CUDA wheels (BASE_IMAGE=nvidia/cuda:...). BUILD_CA=/path/ca.crt:
 # a CA the build trusts (a TLS-inspecting proxy), never kept in the image.
 image:
 	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) BUILD_CA=$(BUILD_CA) launch/docker_image.sh cpu

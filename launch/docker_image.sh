@@ -4,7 +4,8 @@
 #
 #   launch/docker_image.sh cpu          # hvdtrain:cpu on hvdtrain/debian:bookworm (made by
 #                                       # launch/docker_base.sh when missing)
-#   launch/docker_image.sh gpu          # hvdtrain:gpu on nvidia/cuda:12.5.1-devel-ubuntu24.04
+#   launch/docker_image.sh gpu          # hvdtrain:gpu on hvdtrain/debian:trixie (made the same way)
+#   BASE_IMAGE=nvidia/cuda:12.5.1-devel-ubuntu24.04 PYTHON_VERSION=3.12 launch/docker_image.sh gpu
 #   BUILD_CA=/path/ca.crt launch/docker_image.sh cpu   # behind a TLS-inspecting proxy
 #
 # Variables: IMAGE (the tag), BASE_IMAGE (e.g. debian:bookworm-slim from a registry), BUILD_CA (a
@@ -21,12 +22,12 @@ case "$kind" in
   cpu) image=${IMAGE:-hvdtrain:cpu} base=${BASE_IMAGE:-hvdtrain/debian:bookworm}
        args=(--build-arg "BASE_IMAGE=$base" --build-arg PYTHON_VERSION=3.11
              --build-arg TENSORFLOW_PACKAGE=tensorflow-cpu --build-arg HOROVOD_GPU_OPERATIONS=) ;;
-  gpu) image=${IMAGE:-hvdtrain:gpu} base=${BASE_IMAGE:-}
-       args=(${base:+--build-arg "BASE_IMAGE=$base"}) ;;
+  gpu) image=${IMAGE:-hvdtrain:gpu} base=${BASE_IMAGE:-hvdtrain/debian:trixie}
+       args=(--build-arg "BASE_IMAGE=$base" ${PYTHON_VERSION:+--build-arg "PYTHON_VERSION=$PYTHON_VERSION"}) ;;
   *) die "Invalid value for \`kind\`: received '$kind'; expected cpu or gpu" ;;
 esac
 "${docker[@]}" version >/dev/null 2>&1 || die "no Docker daemon answers ('${docker[*]} version' fails); start one, or set DOCKER"
-if [ "$kind" = cpu ] && [ -z "${BASE_IMAGE:-}" ]; then
+if [ -z "${BASE_IMAGE:-}" ]; then
   DOCKER="${docker[*]}" "$root/launch/docker_base.sh" "$base"
 fi
 ca="$root/launch/docker-ca/build-ca.crt"

@@ -83,13 +83,15 @@ def test_versions_are_args_that_match_the_host_pins():
     assert constraints["horovod"] == "0.28.1"
     assert "HOROVOD_VERSION=0.28.1" in read("launch", "install_horovod.sh")
     assert "horovod-0.28.1.patch" in " ".join(v for k, v in instructions() if k == "COPY")
-    assert args["PYTHON_VERSION"] == "3.12"
-    # The base is an ARG (declared before FROM), the GPU one by default: CUDA 12.5, what
-    # TensorFlow 2.21's pip CUDA libraries are, on Ubuntu 24.04 (Python 3.12).
+    assert args["PYTHON_VERSION"] == "3.13"  # Debian 13's
+    # The base is an ARG (declared before FROM), the GPU one by default: Debian 13,
+    # debootstrapped here (no registry); its CUDA comes from TensorFlow's wheels, pinned.
     froms = [value for keyword, value in instructions() if keyword == "FROM"]
     assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", read("Dockerfile"), flags=re.MULTILINE)
-    assert base and re.fullmatch(r"nvidia/cuda:12\.5\.\d+-devel-ubuntu24\.04", base.group(1))
+    assert base and base.group(1) == "hvdtrain/debian:trixie"
+    gpu = pins(os.path.join("launch", "constraints-gpu.txt"))
+    assert gpu["nvidia-cuda-runtime-cu12"].startswith("12.") and "nvidia-cudnn-cu12" in gpu
     assert args["TENSORFLOW_PACKAGE"] == "tensorflow[and-cuda]"
     assert any('"${TENSORFLOW_PACKAGE}==${TENSORFLOW_VERSION}"' in run for run in runs())
     assert any('"tf-keras==${TENSORFLOW_VERSION}"' in run and "--no-deps" in run for run in runs())
