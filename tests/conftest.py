@@ -38,17 +38,19 @@ def _environ_per_module():
 
 @pytest.hookimpl(trylast=True)  # after the durations: the run's last words
 def pytest_terminal_summary(terminalreporter, config):
-    """`make test` leaves the slow scenarios out: say so, and how to run them."""
+    """`make test` leaves the slow scenarios and the GPU image out: say so, and how to run them."""
     if "not slow" not in config.option.markexpr:
         return
-    slow = [i for i in terminalreporter.stats.get("deselected", []) if i.get_closest_marker("slow")]
-    if slow:
-        terminalreporter.write_line(
-            f"left out: {len(slow)} slow scenario(s) (-m 'not slow'); `make test-slow` runs "
-            "them, and CI runs both (.ci/run)",
-            yellow=True,
-            bold=True,
-        )
+    deselected = terminalreporter.stats.get("deselected", [])
+    for marker, how in (
+        ("slow", "`make test-slow` runs them, and CI runs both (.ci/run)"),
+        ("gpu_image", "`make test-gpu-image` runs them (a cold build: about 21 min; not in CI)"),
+    ):
+        left = [i for i in deselected if i.get_closest_marker(marker)]
+        if left:
+            terminalreporter.write_line(
+                f"left out: {len(left)} {marker} test(s); {how}", yellow=True, bold=True
+            )
 
 
 def tf_version():
