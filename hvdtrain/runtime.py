@@ -47,6 +47,7 @@ STALL_WARNING_SECONDS = 60  # Horovod's own default for the stall warning
 _STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 _STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 _STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
+_pinned = None  # the GPU index `init` pinned (rank_report says it)
 
 
 def gpu_for_local_rank(local_rank, num_gpus, local_size=None):
@@ -192,6 +193,8 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     policy = tuning.background_policy(os.environ, bool(gpus))
     if policy != "normal":
         tuning.set_policy(horovod_threads, policy)  # see hvdtrain.tuning
+    global _pinned
+    _pinned = None
     if not pin_gpu:
         return None
     index = gpu_for_local_rank(hvd.local_rank(), len(gpus), hvd.local_size())
@@ -201,6 +204,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
             tf.config.set_visible_devices(gpus[index], "GPU")
         except RuntimeError:
             pass
+    _pinned = index
     return index
 
 
@@ -310,12 +314,14 @@ def weights_digest(model):
 
 
 def rank_report(model=None):
-    """One entry per rank (rank, local rank, host, weights digest), gathered on all ranks."""
+    """One entry per rank (rank, local rank, host, pid, the GPU `init` pinned or None,
+    weights digest), gathered on all ranks."""
     mine = {
         "rank": hvd.rank(),
         "local_rank": hvd.local_rank(),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        "gpu": _pinned,
     }
     if model is not None:
         mine["weights_digest"] = weights_digest(model)

@@ -4,6 +4,7 @@ Usage::
 
     hvdtrain-run [-np N] [-H HOST:SLOTS,... | --hostfile FILE] [--backend B] [...] [--] COMMAND
     hvdtrain-run doctor [-H ... | --hostfile FILE] [--python PYTHON] [--timeout S]
+    hvdtrain-run doctor --gpu [-np N] [-H ... | --hostfile FILE]     # on a GPU node
     hvdtrain-run k8s --workers W --gpus-per-worker G [--image IMAGE] [--name NAME] [-- COMMAND]
     hvdtrain-run --elastic [--min-np A] [--max-np B] [--host-discovery-script S | -H ... |
                  --hostfile FILE] [...] -- COMMAND --elastic
@@ -61,7 +62,7 @@ from hvdtrain.errors import (
     invalid_value,
 )
 from hvdtrain.flags import ArgumentParser
-from hvdtrain.launcher import doctor, elastic, failures, kubernetes
+from hvdtrain.launcher import doctor, elastic, failures, gpu, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
     TUNABLES,
@@ -158,8 +159,13 @@ def _build_parser():
     )
     doc = p.add_argument_group("doctor (also `hvdtrain-run doctor ...`)")
     doc.add_argument("--doctor", action="store_true", help="check the hosts instead of launching")
+    doc.add_argument(
+        "--gpu", action="store_true", help="on a GPU node: driver, pinning, MNIST, NCCL sweep"
+    )
     doc.add_argument("--python", metavar="PATH", help="the Python on the hosts (default: this one)")
-    doc.add_argument("--timeout", default="120", metavar="S", help="seconds per host (default 120)")
+    doc.add_argument(
+        "--timeout", metavar="S", help="seconds per host (default 120); --gpu: per step (900)"
+    )
     elastic.add_options(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
     return p
@@ -535,6 +541,8 @@ def _doctor(args):
             f"doctor takes no command (received {shlex.join(redact_argv(args.command))!r}); "
             "expected e.g. `hvdtrain-run doctor --hostfile hosts.txt`"
         )
+    if args.gpu:
+        return _gpu_check(args)
     hosts, _, _ = resolve_hosts(args, os.environ)
     return doctor.run_doctor(
         hosts,
@@ -543,8 +551,28 @@ def _doctor(args):
         own_names=_own_names(),
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
-        timeout=args.timeout,
+        timeout=args.timeout or 120,
     )
+
+
+def _gpu_check(args):
+    """`hvdtrain-run doctor --gpu [-np N] [-H ... | --hostfile F] [--backend B] [-x ...]`."""
+    launch = [sys.executable, "-m", "hvdtrain.launcher.cli"]
+    hosts = 0
+    if args.hosts or args.hostfile:
+        found, _, _ = resolve_hosts(args, os.environ)  # checked here, one line if wrong
+        hosts = len(found)
+        launch += ["-H", args.hosts] if args.hosts else ["--hostfile", args.hostfile]
+    if args.backend:
+        launch += ["--backend", args.backend]
+    for name in args.exports:
+        launch += ["-x", name]
+    for nic in args.network_interface or []:
+        launch += ["--network-interface", nic]
+    for flag in ("ssh_port", "ssh_identity_file"):
+        if getattr(args, flag):
+            launch += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return gpu.run_gpu_check(launch, hosts, args.np, args.python, args.timeout or 900)
 
 
 def k8s_main(argv):
