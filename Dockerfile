@@ -132,10 +132,13 @@ SHELL ["/bin/bash", "-euo", "pipefail", "-c"]
 
 # Run-time packages only. openssh-server makes host keys when it is installed: they are deleted
 # (every container of the image would share them); the sshd uses the mounted key instead.
+# ibverbs-providers (only recommended by libibverbs1): the InfiniBand/RoCE drivers (mlx5, ...)
+# without which NCCL, UCX and Open MPI find no device and fall back to TCP.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         ca-certificates "python${PYTHON_VERSION}" openmpi-bin openssh-client openssh-server \
+        ibverbs-providers \
     && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_*
 
 COPY --from=build /opt/venv /opt/venv
@@ -149,6 +152,10 @@ ENV HVDTRAIN_OFFLINE=1
 # Horovod's library finds pip's NCCL at run time even when TensorFlow has not loaded it first
 # (the CPU image has no such folder).
 ENV LD_LIBRARY_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/nccl/lib
+# What the NVIDIA Container Toolkit mounts from the host's driver when GPUs are given (`docker
+# run --gpus`, Kubernetes' device plugin): CUDA (compute) and nvidia-smi (utility). Without it
+# some runtimes mount nvidia-smi only, and TensorFlow sees no GPU. Inert without GPUs.
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 # Open MPI's shared memory transport cannot use CMA inside containers without CAP_SYS_PTRACE;
 # copy through shared memory instead.
 ENV OMPI_MCA_btl_vader_single_copy_mechanism=none

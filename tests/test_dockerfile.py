@@ -138,6 +138,19 @@ def test_editing_hvdtrain_rebuilds_only_the_last_layers_and_the_build_ca_stays_b
     assert "launch/docker-ca/*.crt" not in read(".dockerignore")
 
 
+def test_gpus_and_infiniband_given_to_a_container_are_usable():
+    # Some runtimes mount only nvidia-smi ("utility") when the image does not ask for CUDA:
+    # TensorFlow would see no GPU. `hvdtrain-run doctor --gpu` needs both.
+    steps = instructions()
+    final = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    env = [v for i, (k, v) in enumerate(steps) if k == "ENV" and i > final]
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+    # InfiniBand's user-space drivers, which --no-install-recommends would leave out: without
+    # them NCCL falls back to NET/Socket.
+    final_runs = [v for i, (k, v) in enumerate(steps) if k == "RUN" and i > final]
+    assert any("--no-install-recommends" in r and "ibverbs-providers" in r for r in final_runs)
+
+
 def test_default_user_is_not_root():
     users = [value for keyword, value in instructions() if keyword == "USER"]
     assert users, "no USER instruction: the image would run as root"

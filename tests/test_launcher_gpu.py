@@ -63,6 +63,13 @@ def test_infiniband_ports_from_sysfs(tmp_path):
         ("mlx5_2:1", "Ethernet", 100.0),
     ]
     assert gpu.infiniband_ports(str(tmp_path / "absent")) == []
+    ports = gpu.infiniband_ports(str(tmp_path))
+    dev = tmp_path / "dev-infiniband"
+    dev.mkdir()
+    assert "--device /dev/infiniband" in gpu.infiniband_problem(ports, str(dev))
+    (dev / "uverbs0").write_text("")
+    assert gpu.infiniband_problem(ports, str(dev)) is None
+    assert gpu.infiniband_problem([], str(tmp_path / "absent")) is None
 
 
 def test_nccl_transports():

@@ -46,6 +46,7 @@ __all__ = [
     "nvlink_speed",
     "pcie_speed",
     "infiniband_ports",
+    "infiniband_problem",
     "nccl_transports",
     "pinning_problems",
     "allreduce_verdict",
@@ -137,6 +138,18 @@ def infiniband_ports(root="/sys/class/infiniband"):
         if found and "ACTIVE" in state:
             ports.append((f"{device}:{number}", layer or "InfiniBand", float(found.group(1))))
     return ports
+
+
+def infiniband_problem(ports, dev="/dev/infiniband"):
+    """Why NCCL cannot use the InfiniBand `ports` this host has, or None: their devices are
+    not in this container (NCCL then falls back to NET/Socket)."""
+    if ports and not glob.glob(os.path.join(dev, "uverbs*")):
+        return (
+            f"InfiniBand ports ({', '.join(name for name, _, _ in ports)}) but no {dev}/uverbs* "
+            "here: give the container the devices (`docker run --device /dev/infiniband "
+            "--cap-add IPC_LOCK --ulimit memlock=-1`; on Kubernetes, an RDMA device plugin)"
+        )
+    return None
 
 
 def _read(path):
@@ -379,7 +392,7 @@ def run_gpu_check(launch, hosts=1, np=None, python=None, timeout=900, out=print)
     gpus, problem, detail = _driver()
     rows.append(("driver", problem, detail))
     nominal, detail, ib_ports = _link(gpus, hosts)
-    rows.append(("link", None, detail))
+    rows.append(("link", infiniband_problem(ib_ports), detail))
     _, problem, detail = _tensorflow(gpus, python)
     rows.append(("tensorflow", problem, detail))
     if not np and not hosts:
