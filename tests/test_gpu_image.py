@@ -5,7 +5,8 @@ secret. A cold build takes about 21 minutes here, so this is its own target, not
 
     make test-gpu-image
 
-What only a GPU node can check (the driver, NCCL over NVLink or InfiniBand) is not here.
+What only a GPU node can check (the driver, NCCL over NVLink or InfiniBand) is what
+`hvdtrain-run doctor --gpu` checks there; here it must find no driver and pass the rest.
 """
 
 import json
@@ -69,3 +70,22 @@ def test_mnist_trains_on_two_ranks_inside_on_cpu(docker, image, backend):  # noq
 
 def test_the_gpu_image_holds_no_secret_and_runs_as_uid_1000(docker, image, tmp_path):  # noqa: F811
     check_no_secret_and_uid_1000(docker, image, tmp_path)
+
+
+def test_the_gpu_node_check_finds_no_driver_and_passes_the_rest(docker, image):  # noqa: F811
+    """`hvdtrain-run doctor --gpu -np 2` inside the image on this GPU-less machine: the
+    driver row is the one problem; TensorFlow is the CUDA build, Horovod has NCCL, MNIST
+    and the sweep run on 2 ranks (on CPU); the image asks for CUDA and nvidia-smi and carries
+    InfiniBand's user-space drivers."""
+    proc = in_image(docker, image, "hvdtrain-run doctor --gpu -np 2", check=False, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "Traceback" not in out + proc.stderr
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "nvidia-smi not found" in rows["driver"]
+    assert "(CUDA 12" in rows["tensorflow"] and "Horovod with NCCL 2" in rows["tensorflow"]
+    assert " ok " in rows["tensorflow"] and " ok " in rows["mnist"], out
+    assert out.splitlines()[-1] == "doctor --gpu: problem in driver"
+    env = in_image(docker, image, "echo $NVIDIA_DRIVER_CAPABILITIES; ls /usr/lib/*/libibverbs/")
+    assert env.stdout.splitlines()[0] == "compute,utility"
+    assert "libmlx5-rdmav" in env.stdout, env.stdout
