@@ -18,7 +18,7 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test train test test-slow test-gpu-image lint clean image image-gpu
+.PHONY: setup setup-test train test test-slow test-gpu-image lint docs docs-serve clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
@@ -41,7 +41,15 @@ test: setup-test lint
 test-slow: setup-test
 	python -m pytest -m slow
 
-# The GPU image built (cold: about 21 min) and checked on CPU; not in CI (README, Docker).
+# The docs site (mkdocs.yml, docs/): built into site/ with --strict (make test builds it too,
+# in tests/test_docs.py), or served with live reload at http://127.0.0.1:8000.
+docs: setup-test
+	mkdocs build --strict
+
+docs-serve: setup-test
+	mkdocs serve
+
+# The GPU image built (cold: about 21 min) and checked on CPU; not in CI (docs/docker.md).
 test-gpu-image: setup-test
 	python -m pytest -m gpu_image
 
@@ -56,4 +64,4 @@ image-gpu:
 	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) BUILD_CA=$(BUILD_CA) launch/docker_image.sh gpu
 
 clean:
-	rm -rf $(OUT) .pytest_cache
+	rm -rf $(OUT) .pytest_cache site

@@ -231,10 +231,13 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         hvdtrain: epoch 2/15: 70 steps in 2.1 s, 2,133 samples/s; loss 0.4011 - accuracy 0.8788
 
     Args:
-        epochs, steps_per_epoch, global_batch: of the run.
+        epochs: of the run.
+        steps_per_epoch: of the run.
+        global_batch: of the run.
         start_step: the global step training starts from (after a resume).
         mode: "auto" (a bar when `stream` is a terminal, else lines), "bar", "lines", "off".
-        seconds: between lines; stream: where it writes (stderr).
+        seconds: between lines.
+        stream: where it writes (stderr).
     """
 
     def __init__(

@@ -58,10 +58,14 @@ class Manifest:
         files: {file name: [size, SHA-256]} of the state files.
         fingerprint: the model's layers and weight shapes (`model_fingerprint`).
         format: `FORMAT` when written; a checkpoint of another format is refused.
-        time, written_by: when and by which host and process.
-        size, global_batch, steps_per_epoch: the run that wrote it (for a resume on
-            another number of ranks).
-        prog: the program; logs: the epoch's metrics; data: what the data was.
+        time: when it was written.
+        written_by: by which host and process.
+        size: the ranks of the run that wrote it (for a resume on another number of ranks).
+        global_batch: that run's global batch.
+        steps_per_epoch: that run's steps per epoch.
+        prog: the program.
+        logs: the epoch's metrics.
+        data: what the data was.
         history: the metrics of every epoch so far, the resumed runs' included.
         keras: the model's Keras ("Keras 2 (tf-keras)", "Keras 3"); the other refuses it.
         extra: anything else the writer recorded.

@@ -195,10 +195,12 @@ class ArrayData(Data):
     """Samples in memory (numpy arrays): each rank takes every N-th one.
 
     Args:
-        x, y: training inputs and labels (x may hold file paths that `train_map` reads).
+        x: training inputs (it may hold file paths that `train_map` reads).
+        y: training labels.
         test: (x, y) held out for evaluation, or None.
-        train_map, eval_map: per-sample `(x, y) -> (x, y)` functions applied after sharding
+        train_map: a per-sample `(x, y) -> (x, y)` function applied after sharding
             (decoding, augmentation, normalisation); None for arrays ready to use.
+        eval_map: the same for the test data.
         source: a short name of where the data came from; notice: one line saying so.
     """
 

@@ -37,7 +37,7 @@ function starts, so a worker that joins starts from the others' state.
   `--commit-every` steps: a failure redoes at most `--commit-every` + steps per execution - 1
   steps.
 
-Horovod 0.28.1 pitfalls handled here (see README, "Elastic training"):
+Horovod 0.28.1 pitfalls handled here (docs/fault-tolerance.md, "Elastic training"):
 
 * Its `UpdateBatchStateCallback` stores the index of the last batch of the current `fit`
   call: one less than the steps done (a rollback would apply a step twice), and relative to

@@ -66,7 +66,7 @@ class HvdtrainError(Exception):
             so each of them prints it with its rank.
     """
 
-    exit_code = 2  # the process's exit status (see the README's "Exit codes")
+    exit_code = 2  # the process's exit status (docs/fault-tolerance.md, "Exit codes")
 
     def __init__(self, message, every_rank=True):
         super().__init__(one_line(message))

@@ -170,7 +170,10 @@ class ArgumentParser(argparse.ArgumentParser):
     unless `training=False`, hvdtrain's standard training flags with the defaults given.
 
     Args:
-        prog, description, epilog, allow_abbrev: as argparse's; texts are shown as written.
+        prog: as argparse's.
+        description: as argparse's; shown as written.
+        epilog: as argparse's; shown as written.
+        allow_abbrev: as argparse's.
         training: add the flags of `TrainConfig` (`--epochs`, `--checkpoint-dir`, ...).
         **defaults: defaults for those flags, by field name (`epochs=15, lr=1e-3`).
     """

@@ -103,8 +103,9 @@ class FileData(Data):
         reader: "tfrecord", "lines" (text lines), "file" (each file one record: its bytes),
             or `path -> tf.data.Dataset` of records.
         compression: "GZIP" or "ZLIB" for compressed TFRecord or text files.
-        counts, test_counts: records per file, in the order of the sorted file list (skips
+        counts: records per training file, in the order of the sorted file list (skips
             the counting pass).
+        test_counts: the same for the test files.
         per_host: each host holds files of its own (the pattern lists different files on
             each host); they are split among the host's local ranks.
         shuffle_buffer: records in each rank's shuffle buffer.

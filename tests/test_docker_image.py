@@ -31,7 +31,7 @@ DATA_ROOT = os.environ.get("HVDTRAIN_DOCKER_DATA") or os.path.expanduser("~/.cac
 IMAGE = "hvdtrain:cpu"
 NETWORK, SUBNET = "hvdtrain-test", "10.232.7.0/24"
 RUN_TIMEOUT = 420
-# A lost host must end the job within this (README, "Fault tolerance").
+# A lost host must end the job within this (docs/fault-tolerance.md).
 FAIL_FAST_SECONDS = 90
 
 

@@ -1,6 +1,6 @@
 """A host lost mid-run, on two namespace hosts (one rank each), after the first checkpoint:
 every process of host B killed, or B's network cut (MPI and Gloo), and under Elastic B killed,
-then back. The job must end within its bound (README, "Fault tolerance") with one
+then back. The job must end within its bound (docs/fault-tolerance.md) with one
 `hvdtrain-run` line naming B, no traceback, nothing left on the launch host; a cut B ends its
 own rank, and nothing of the job is left there once its network is back; a relaunch while B
 is down stops before starting anything, naming B."""
@@ -20,7 +20,7 @@ from netns_hosts import NamespaceHosts, cannot_make_namespaces
 why_not = cannot_make_namespaces()
 pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
 
-BOUND = 60  # seconds from the fault to the end of the job (README, "Fault tolerance")
+BOUND = 60  # seconds from the fault to the end of the job (docs/fault-tolerance.md)
 RELAUNCH_BOUND = 15  # a relaunch while B is down: ssh's 5 s to connect, and the start
 START_TIMEOUT = 300
 ELASTIC_ENV = {"HOROVOD_ELASTIC_TIMEOUT": "60", "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
@@ -121,7 +121,7 @@ def training_processes(hosts, i):
 
 
 def check_ending(backend, code, err, took, bound, lost):
-    assert code == 255, (code, err[-3000:])  # a lost host (README)
+    assert code == 255, (code, err[-3000:])  # a lost host (docs/fault-tolerance.md)
     assert took < bound, f"the job ended {took:.0f} s after the fault"
     last = [line for line in err.splitlines() if line.startswith("hvdtrain-run:")][-1]
     print(f"{backend}: ended {took:.1f} s after the fault, exit {code}: {last}")
@@ -160,7 +160,7 @@ CUT_ENV = {
     "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
     "HVDTRAIN_LAUNCHER_GRACE_SECONDS": "5",
 }
-CUT_BOUND = 75  # README, "Fault tolerance": 2 x stall + grace + 10 s + the probe, and margin
+CUT_BOUND = 75  # docs/fault-tolerance.md: 2 x stall + grace + 10 s + the probe, and margin
 BACK_BOUND = 120  # from B's network back to nothing of the job there: TCP's longest backoff
 
 

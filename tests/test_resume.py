@@ -118,7 +118,7 @@ def test_twenty_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(tm
     assert final["test_loss"] == reference["test_loss"]
     # The epochs' validation figures too. Their training loss and accuracy are Keras' means
     # over the steps this process ran: an epoch resumed mid-way reports its steps since the
-    # resume (README, "Resuming").
+    # resume (docs/fault-tolerance.md).
     for key in ("val_loss", "val_accuracy"):
         assert final["history"][key] == reference["history"][key]
     assert len(final["history"]["loss"]) == 2

@@ -44,7 +44,7 @@ __all__ = [
     "LAUNCHER_GRACE_SECONDS",
 ]
 
-# hvdtrain's exit statuses (README, "Exit codes").
+# hvdtrain's exit statuses (docs/fault-tolerance.md, "Exit codes").
 EXIT_CODES = {
     1: "an error in the program",
     2: "a user error, printed above",

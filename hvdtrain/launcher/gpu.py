@@ -25,7 +25,7 @@ In order, each a row of the table it prints at the end:
 Exit 0 when every row is ok, else 1. Without a GPU (a CPU host, or `docker run` without
 `--gpus`) the driver row is a problem, and with `-np N` the other rows still run on CPU, so
 the image's own parts are checked anyway. Figures that good hardware gives are in the
-README's Docker section.
+docs site's page "Docker and GPU nodes" (docs/docker.md).
 """
 
 import glob
@@ -205,7 +205,7 @@ def allreduce_verdict(busbw, nominal, transports, hosts, ib_ports):
         names = ", ".join(name for name, _, _ in ib_ports)
         return (
             f"NCCL sent over NET/Socket (TCP) although this host has InfiniBand ports "
-            f"({names}); see the README's Docker section for NET/Socket",
+            f"({names}); see docs/docker.md on NET/Socket",
             note,
         )
     return None, note
