@@ -224,7 +224,7 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def _run(argv, timeout, env=None):
+def _run(argv, timeout):
     """(exit code or None on timeout/missing program, stdout + stderr)."""
     try:
         done = subprocess.run(
@@ -232,7 +232,6 @@ def _run(argv, timeout, env=None):
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=env,
             stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as e:
