@@ -8,6 +8,7 @@ import glob
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -21,20 +22,36 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
+def build(root, out):
+    """`mkdocs build --strict` of the site at `root` (never -q: it stops counting warnings)."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
-        cwd=ROOT,
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    proc = build(ROOT, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
+
+
+def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
+    shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
+    shutil.copy(os.path.join(ROOT, "mkdocs.yml"), tmp_path)
+    with open(tmp_path / "docs" / "launching.md", "a") as f:
+        f.write("\nSee [gone](no-such-page.md) and [here](docker.md#no-such-anchor).\n")
+    proc = build(tmp_path, tmp_path / "site")
+    assert proc.returncode != 0
+    assert "'no-such-page.md', but the target is not found" in proc.stderr, proc.stderr
+    assert "does not contain an anchor '#no-such-anchor'" in proc.stderr, proc.stderr
 
 
 def test_the_api_reference_has_every_public_name(site):
