@@ -30,6 +30,7 @@ __all__ = [
     "stall_settings",
     "stall_shutdown_seconds",
     "gpu_for_local_rank",
+    "gloo_hostname_problem",
     "threads_per_rank",
     "is_main_process",
     "agree",
@@ -68,6 +69,27 @@ def gpu_for_local_rank(local_rank, num_gpus, local_size=None):
             every_rank=False,
         )
     return local_rank
+
+
+def gloo_hostname_problem(environ, hostname=None):
+    """Why Horovod's Gloo would crash on this host, or None.
+
+    Horovod 0.28.1's Gloo looks the host's own name up and dies with SIGSEGV (exit 139, no
+    message) when it does not resolve, whatever the network interface; MPI does not. Under
+    Gloo (horovodrun --gloo, hvdtrain-run across hosts) `init` checks it first.
+    """
+    if environ.get("HOROVOD_CONTROLLER") != "gloo":
+        return None
+    name = hostname or socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return None
+    except OSError:
+        return (
+            f"this host's name {name!r} does not resolve, and Horovod's Gloo crashes on it "
+            f"(SIGSEGV); add it to /etc/hosts (e.g. `127.0.1.1 {name}`) or DNS, or launch with "
+            "MPI (horovodrun --mpi, mpirun)"
+        )
 
 
 def threads_per_rank(cpu_count, local_size, affinity_count=None):
@@ -169,6 +191,9 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
         The GPU index used, or None on a CPU-only host.
     """
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
+    problem = gloo_hostname_problem(os.environ)
+    if problem:  # before hvd.init(), where Gloo would crash without a word
+        raise HvdtrainError(problem)
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
     os.environ.update(tuning.horovod_settings(os.environ))  # cycle time, MPI waits; see there
     before = tuning.thread_ids()

@@ -10,10 +10,11 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
-from conftest import run_job, worker
+from conftest import job_env, run_job, worker
 
 MNIST = ["-m", "hvdtrain.mnist", "--limit-samples", "512", "--progress", "off"]
 RECIPE = worker("recipe.py")
@@ -193,3 +194,27 @@ def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(
         assert "resuming at epoch 2, step 0" in again.stdout + again.stderr
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root for `unshare --uts` (a hostname)")
+def test_an_unresolvable_hostname_under_gloo_is_one_line_not_a_segfault():
+    """Horovod's Gloo dies with SIGSEGV (exit 139, no word) when the host's own name does not
+    resolve; `hvdtrain.init` says so first, on each rank: one line, exit 2. MPI is unaffected."""
+    name = "hvdtrain-unresolvable-7q"
+    launch = [os.path.join(os.path.dirname(sys.executable), "hvdtrain-run"), "-np", "2"]
+    script = (
+        f"hostname {name} && exec {' '.join(launch)} --backend gloo -- "
+        f"{sys.executable} {' '.join(MNIST)} --epochs 1"
+    )
+    proc = subprocess.run(
+        ["unshare", "--uts", "sh", "-c", script],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = error_lines(proc)
+    assert lines and f"this host's name '{name}' does not resolve" in lines[0], proc.stderr
+    assert "/etc/hosts" in lines[0] and "SIGSEGV" in lines[0]

@@ -162,3 +162,14 @@ def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expecte
     from hvdtrain.runtime import _because_of_another_rank
 
     assert _because_of_another_rank(text) == expected
+
+
+def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():
+    from hvdtrain.runtime import gloo_hostname_problem
+
+    gloo = {"HOROVOD_CONTROLLER": "gloo"}
+    assert gloo_hostname_problem({}, "nohost.invalid") is None  # MPI, or one process
+    assert gloo_hostname_problem({"HOROVOD_CONTROLLER": "mpi"}, "nohost.invalid") is None
+    assert gloo_hostname_problem(gloo, "localhost") is None
+    problem = gloo_hostname_problem(gloo, "nohost.invalid")
+    assert "'nohost.invalid' does not resolve" in problem and "127.0.1.1 nohost.invalid" in problem
