@@ -187,7 +187,10 @@ def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(
         assert proc.returncode != 0 and "rank 0: the disk is full" in text, text[-3000:]
         assert len(lines) == 1 and f"Could not write checkpoint {disk}/epoch-0002" in lines[0]
         assert "The previous checkpoints are kept" in lines[0]
-        assert re.search(r"Process 1 exit with status code [1-9]", text), text[-3000:]
+        # Rank 1 ends too: by itself with a non-zero status, or, when horovodrun's SIGTERM to
+        # the remaining workers comes first, after its own line saying why it stopped.
+        ended = re.search(r"Process 1 exit with status code [1-9]", text)
+        assert ended or "[1]<stderr>:hvdtrain: rank 1 stopped: " in text, text[-3000:]
         assert sorted(os.listdir(disk)) == ["epoch-0001", "filler"]
         (disk / "filler").unlink()
         again = run_job(2, "gloo", [RECIPE, "--epochs", "1", "--checkpoint-dir", str(disk)])
