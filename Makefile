@@ -44,10 +44,10 @@ test-slow: setup-test
 # The docs site (mkdocs.yml, docs/): built into site/ with --strict (make test builds it too,
 # in tests/test_docs.py), or served with live reload at http://127.0.0.1:8000.
 docs: setup-test
-	mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 mkdocs build --strict
 
 docs-serve: setup-test
-	mkdocs serve
+	NO_MKDOCS_2_WARNING=1 mkdocs serve
 
 # The GPU image built (cold: about 21 min) and checked on CPU; not in CI (docs/docker.md).
 test-gpu-image: setup-test
