@@ -137,11 +137,11 @@ class Run:
         prepared = frontends.loaded()
         for frontend in prepared:
             self._prepare(frontend)
-        model = self.build_model()
+        model = self._built()
         self.keras = k = frontends.for_model(model)
         if k not in prepared:
             self._prepare(k)
-            model = self.build_model()
+            model = self._built()
         compiled, user_opt = _compiled(model, k)
         # XLA asked for, or chosen by Keras 3 itself ("auto" means XLA on a GPU).
         xla = compiled.get("jit_compile") is True or getattr(model, "jit_compile", None) is True
@@ -183,6 +183,16 @@ class Run:
             self.manager = CheckpointManager(
                 cfg.checkpoint_dir, model, opt, keep=cfg.keep_checkpoints
             )
+
+    def _built(self):
+        """`build_model()`; the one-line error where one Keras refused an object of the other."""
+        try:
+            return self.build_model()
+        except (TypeError, ValueError) as e:
+            mixed = frontends.mixed_keras(e)
+            if mixed is None:
+                raise
+            raise mixed from None
 
     def _prepare(self, frontend):
         """The seed and precision policy of one Keras, before the model is built."""

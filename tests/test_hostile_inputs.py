@@ -48,6 +48,48 @@ def manifest(name, **fields):
     return write(f"{name}/manifest.json", json.dumps({**body, **fields}))
 
 
+# A user's script whose model mixes the two Keras, in the way its argument names.
+MIXED = """import sys
+import keras
+import numpy as np
+import tensorflow as tf
+import hvdtrain
+
+def build_model():
+    how = sys.argv[1]
+    if how == "k2-model-k3-optimizer":
+        m = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    elif how == "k3-model-k2-layer":
+        m = keras.Sequential([keras.Input((4,)), tf.keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse")
+    else:  # a Keras 3 layer called on tf.keras tensors: Keras 2 keeps only its variables
+        x = tf.keras.Input((4,))
+        m = tf.keras.Model(x, keras.layers.Dense(1)(x))
+        m.compile(optimizer="sgd", loss="mse")
+    return m
+
+x = np.ones((32, 4), "float32")
+args = hvdtrain.ArgumentParser(epochs=1, batch_size=8).parse_args(sys.argv[2:])
+hvdtrain.fit(build_model, hvdtrain.ArrayData(x, x.sum(1)), args)
+"""
+MIXED_CASES = [
+    (
+        f"keras-mixed-{how}",
+        [sys.executable, "{d}/mixed.py", how],
+        {},
+        [write("mixed.py", MIXED)],
+        2,
+        f"mixing the two Keras ({words}",
+        [],
+    )
+    for how, words in (
+        ("k2-model-k3-optimizer", "Keras 2 (tf.keras) refused an object of Keras 3"),
+        ("k3-model-k2-layer", "Keras 3 (`import keras`) refused an object of Keras 2"),
+        ("k2-model-k3-layer-call", "a Keras 2 (tf-keras) model holds Variable"),
+    )
+]
+
 IDX_IMAGES = gzip.compress(b"\x00\x00\x08\x03" + (5).to_bytes(4, "big") + b"\x00" * 8)
 
 # (id, argv, environment, set-up steps, exit status, words in the error line, folders the
@@ -169,6 +211,7 @@ CASES = [
     ("keras3-weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5",
      "--keras", "3"], {}, [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"),
      write("w.h5", b"garbage")], 2, "--weights", []),
+    *MIXED_CASES,
     # -- model files
     ("weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5"], {},
      [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"), write("w.h5", b"garbage")], 2,
@@ -194,7 +237,7 @@ def test_the_table_is_large_and_ids_unique():
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_hostile_input(tmp_path, case):
     name, argv, env, steps, status, words, writable = case
-    if name == "keras3" and tf_version() < (2, 16):
+    if (name == "keras3" or name.startswith("keras-mixed")) and tf_version() < (2, 16):
         pytest.skip("TensorFlow 2.15: tf.keras is always Keras 2, there is no Keras 3 to turn on")
     work = tmp_path / "work"
     work.mkdir()

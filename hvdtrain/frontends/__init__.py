@@ -12,11 +12,13 @@ Keras 3 is imported only where a script imported it (`import keras` costs a seco
 """
 
 import os
+import re
 import sys
+import traceback
 
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, one_line
 
-__all__ = ["for_model", "loaded", "add_keras_flag", "keras_module"]
+__all__ = ["for_model", "loaded", "mixed_keras", "add_keras_flag", "keras_module"]
 
 
 def loaded():
@@ -32,10 +34,17 @@ def loaded():
 
 
 def for_model(model):
-    """The frontend of `model`'s Keras; a one-line error for anything else."""
-    for frontend in loaded():
+    """The frontend of `model`'s Keras; a one-line error for anything else, a model holding
+    layers or variables of the other Keras among them."""
+    found = loaded()
+    for frontend in found:
         if frontend.owns(model):
             frontend.check(model)
+            for other in found:
+                if other is not frontend and other.PACKAGE != frontend.PACKAGE:
+                    stranger = _first_of(model, other.PACKAGE)
+                    if stranger is not None:
+                        raise _mixing(f"a {frontend.NAME} model holds {stranger} of {other.NAME}")
             return frontend
     raise invalid_value(
         "build_model",
@@ -43,6 +52,56 @@ def for_model(model):
         "a function returning a compiled Keras model: tf.keras (Keras 2) or `import keras` "
         "(Keras 3, TensorFlow backend)",
     )
+
+
+def _package(obj):
+    """The top-level package of `obj`'s class ('keras', 'tf_keras', ...)."""
+    return type(obj).__module__.partition(".")[0]
+
+
+def _first_of(model, package):
+    """A layer of `model`, or an argument a layer was called with (a Keras 3 layer called on
+    tf.keras tensors leaves only its variables there), whose class is from `package`."""
+    import tensorflow as tf
+
+    layers = [model, *model._flatten_layers(include_self=False)]
+    for layer in layers:
+        if _package(layer) == package:
+            return f"the layer {layer.name!r} ({type(layer).__name__})"
+        for node in getattr(layer, "_inbound_nodes", ()):
+            args = (getattr(node, "call_args", ()), getattr(node, "call_kwargs", {}))
+            for arg in tf.nest.flatten(args):
+                if _package(arg) == package:
+                    name = getattr(arg, "path", None) or getattr(arg, "name", "")
+                    return f"{type(arg).__name__} {name!r} (in the layer {layer.name!r})"
+    return None
+
+
+def _mixing(what):
+    return HvdtrainError(
+        f"Invalid value for `build_model`: received a model mixing the two Keras ({what}); "
+        "expected one Keras throughout: build the model, its layers and its optimizer with "
+        "tf.keras (Keras 2) or with `import keras` (Keras 3), never both"
+    )
+
+
+# A class of either Keras named in an error message: tf_keras.src.… or keras.src.….
+_NAMED = re.compile(r"(?<![\w.])(tf_keras|keras)\.src\.")
+
+
+def mixed_keras(error):
+    """The one-line error for `error`, raised by one Keras while building or compiling a model
+    because it was given an object of the other (a tf.keras optimizer in a Keras 3 `compile`,
+    a Keras 3 layer in a tf.keras `Sequential`), else None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    raiser = frames[-1].filename.replace(os.sep, "/") if frames else ""
+    raised_by = "tf_keras" if "/tf_keras/" in raiser else "keras" if "/keras/" in raiser else ""
+    named = {m.group(1) for m in _NAMED.finditer(str(error))}
+    if not raised_by or not named - {raised_by} or len(loaded()) < 2:
+        return None
+    names = {"tf_keras": "Keras 2 (tf.keras)", "keras": "Keras 3 (`import keras`)"}
+    other = names[(named - {raised_by}).pop()]
+    return _mixing(f"{names[raised_by]} refused an object of {other}: {one_line(error)}")
 
 
 def add_keras_flag(parser):

@@ -7,6 +7,7 @@ from hvdtrain import compat, optim
 
 __all__ = [
     "NAME",
+    "PACKAGE",
     "ONE_EPOCH_PER_FIT",
     "keras",
     "owns",
@@ -28,6 +29,7 @@ __all__ = [
 ONE_EPOCH_PER_FIT = False  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 2 (tf-keras)"
 keras = tf.keras
+PACKAGE = keras.Model.__module__.partition(".")[0]  # tf_keras (Keras 2.15: keras itself)
 WarmupSchedule = optim.WarmupSchedule
 is_distributed = optim.is_distributed
 distributed_optimizer = optim.distributed_optimizer

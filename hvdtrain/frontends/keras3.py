@@ -16,6 +16,7 @@ from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
     "NAME",
+    "PACKAGE",
     "ONE_EPOCH_PER_FIT",
     "keras",
     "owns",
@@ -36,6 +37,7 @@ __all__ = [
 
 ONE_EPOCH_PER_FIT = True  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 3"
+PACKAGE = "keras"
 
 
 def owns(model):
