@@ -264,7 +264,13 @@ def set_hosts(hosts, text):
 
 
 @pytest.mark.parametrize(
-    "victim, keras", [(1, "2"), pytest.param(0, "2", marks=pytest.mark.slow), (0, "3")]
+    "victim, keras",
+    [
+        (1, "2"),
+        pytest.param(0, "2", marks=pytest.mark.slow),
+        (0, "3"),
+        pytest.param(1, "3", marks=pytest.mark.slow),
+    ],
 )
 def test_killed_worker_training_goes_on_from_the_last_commit(victim, keras, tmp_path, jobs):
     metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"

@@ -48,15 +48,21 @@ def test_one_epoch_on_two_ranks(backend, keras, tmp_path):
     assert sorted(os.listdir(ckpt)) == ["epoch-0001", "model.keras"]
 
 
-def test_a_checkpoint_of_one_keras_is_refused_by_the_other_in_one_line(tmp_path):
+@pytest.mark.parametrize("first, then", [("2", "3"), ("3", "2")])
+def test_a_checkpoint_of_one_keras_is_refused_by_the_other_in_one_line(first, then, tmp_path):
     args = [*MNIST, "--epochs", "1", "--limit-samples", "640", "--model", "mlp",
             "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    run_job(1, "none", [*args, "--keras", "2"])
-    proc = run_job(1, "none", [*args, "--epochs", "2", "--keras", "3"], check=False)
+    run_job(1, "none", [*args, "--keras", first])
+    before = sorted(os.listdir(tmp_path / "ckpt"))
+    proc = run_job(1, "none", [*args, "--epochs", "2", "--keras", then], check=False)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "was written by a Keras 2 (tf-keras) model; this run builds a Keras 3 one" in errors[0]
+    names = {"2": "Keras 2 (tf-keras)", "3": "Keras 3"}
+    assert (
+        f"was written by a {names[first]} model; this run builds a {names[then]} one" in errors[0]
+    )
+    assert sorted(os.listdir(tmp_path / "ckpt")) == before  # the checkpoint left as it was
 
 
 def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):

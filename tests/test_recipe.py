@@ -33,9 +33,9 @@ def files(tmp_path_factory):
 
 
 def train(backend, form, files, out, *extra, check=True):
-    """form: arrays, tfrecord, or keras3 (arrays, the model in Keras 3)."""
-    if form == "keras3":
-        form, extra = "arrays", ("--keras", "3", *extra)
+    """form: arrays, tfrecord, keras3 (arrays, the model in Keras 3) or keras3-tfrecord."""
+    if form.startswith("keras3"):
+        form, extra = form.partition("-")[2] or "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
             "--checkpoint-every", "2", "--epochs", "3", "--checkpoint-dir", str(out / "ckpt"),
             "--metrics-json", str(out / "m.json"), *extra]  # fmt: skip
@@ -63,7 +63,10 @@ def uninterrupted(files, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("form", ["arrays", "tfrecord", "keras3"])
+@pytest.mark.parametrize(
+    "form",
+    ["arrays", "tfrecord", "keras3", pytest.param("keras3-tfrecord", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     backend, form, files, uninterrupted, tmp_path
