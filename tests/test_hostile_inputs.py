@@ -48,7 +48,8 @@ def manifest(name, **fields):
     return write(f"{name}/manifest.json", json.dumps({**body, **fields}))
 
 
-# A user's script whose model mixes the two Keras, in the way its argument names.
+# A user's script whose model mixes the two Keras, or is compiled as Keras 2 takes it but
+# not Keras 3, in the way its argument names.
 MIXED = """import sys
 import keras
 import numpy as np
@@ -60,6 +61,9 @@ def build_model():
     if how == "k2-model-k3-optimizer":
         m = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    elif how == "k3-positional-metrics":  # Keras 3 reads the third as loss_weights
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(keras.optimizers.SGD(0.1), "mse", [keras.metrics.MeanAbsoluteError()])
     elif how == "k3-model-k2-layer":
         m = keras.Sequential([keras.Input((4,)), tf.keras.layers.Dense(1)])
         m.compile(optimizer="sgd", loss="mse")
@@ -89,6 +93,10 @@ MIXED_CASES = [
         ("k2-model-k3-layer-call", "a Keras 2 (tf-keras) model holds Variable"),
     )
 ]
+MIXED_CASES.append(
+    ("keras3-compile-positional-metrics", [sys.executable, "{d}/mixed.py", "k3-positional-metrics"],
+     {}, [write("mixed.py", MIXED)], 2, "`loss_weights`: received [<MeanAbsoluteError", [])
+)  # fmt: skip
 
 IDX_IMAGES = gzip.compress(b"\x00\x00\x08\x03" + (5).to_bytes(4, "big") + b"\x00" * 8)
 
@@ -237,7 +245,8 @@ def test_the_table_is_large_and_ids_unique():
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_hostile_input(tmp_path, case):
     name, argv, env, steps, status, words, writable = case
-    if (name == "keras3" or name.startswith("keras-mixed")) and tf_version() < (2, 16):
+    keras3 = name == "keras3" or name.startswith(("keras-mixed", "keras3-compile"))
+    if keras3 and tf_version() < (2, 16):
         pytest.skip("TensorFlow 2.15: tf.keras is always Keras 2, there is no Keras 3 to turn on")
     work = tmp_path / "work"
     work.mkdir()

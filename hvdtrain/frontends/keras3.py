@@ -57,8 +57,22 @@ def check(model, backend=None):
 
 
 def compiled(model):
-    """(compile arguments, the user's optimizer) of a compiled model."""
+    """(compile arguments, the user's optimizer) of a compiled model; a one-line error for
+    metrics given where Keras 3 takes loss weights (compile's third positional argument: Keras
+    2's `compile(opt, loss, ["accuracy"])` fails at the first step on Keras 3)."""
     config = getattr(getattr(model, "_compile_config", None), "config", None)
+    weights = (config or {}).get("loss_weights")
+    values = weights.values() if isinstance(weights, dict) else weights
+    if isinstance(values, list | tuple) and not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in values
+    ):
+        raise invalid_value(
+            "loss_weights",
+            weights,
+            "numbers (Keras 3's compile takes its third positional argument as loss_weights, "
+            "not metrics); pass metrics by keyword: model.compile(optimizer=..., loss=..., "
+            "metrics=[...])",
+        )
     opt = getattr(model, "optimizer", None)
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         opt = opt.inner_optimizer  # Keras adds one under mixed_float16; fit puts its own around
