@@ -2,7 +2,8 @@
 
 `<!-- hvdtrain:api -->` becomes one mkdocstrings entry per name in `hvdtrain.__all__`,
 grouped by the module that defines it; `<!-- hvdtrain:flags -->` becomes the `--help` of
-`hvdtrain.ArgumentParser`, of each entry point and of `hvdtrain-run`, as their parsers print it.
+`hvdtrain.ArgumentParser`, of each entry point, of `hvdtrain-run` and of every other module a
+user runs with `python -m`, as their parsers print it.
 """
 
 import os
@@ -36,6 +37,9 @@ COMMANDS = [  # (title, argv after the Python)
     ("`hvdtrain-run`", ["-m", "hvdtrain.launcher.cli", "--help"]),
     ("`hvdtrain-run k8s`", ["-m", "hvdtrain.launcher.cli", "k8s", "--help"]),
     ("`python -m hvdtrain.bench`", ["-m", "hvdtrain.bench", "--help"]),
+    ("`python -m hvdtrain.bench.workers`", ["-m", "hvdtrain.bench.workers", "--help"]),
+    ("`python -m hvdtrain.bench.allreduce`", ["-m", "hvdtrain.bench.allreduce", "--help"]),
+    ("`python -m hvdtrain.launcher.elastic`", ["-m", "hvdtrain.launcher.elastic", "--help"]),
 ]
 
 

@@ -73,6 +73,16 @@ def test_the_flags_reference_is_each_parser_s_help(site):
         assert flag in text, flag
     for flag in ("--hostfile", "--backend", "--gpu", "--workers", "--gpus-per-worker"):
         assert flag in text, flag  # hvdtrain-run, its doctor and k8s
+    for module in ("bench.workers", "bench.allreduce", "launcher.elastic"):
+        assert f"usage: python -m hvdtrain.{module}" in text, module  # run with python -m
+
+
+def test_the_site_needs_no_network(site):
+    """Built offline and read offline: no page loads a font, style or script from elsewhere."""
+    loads = re.compile(r"<(?:link|script|img)\b[^>]*\b(?:href|src)=\"?((?:https?:)?//[^\s\">]+)")
+    for page in glob.glob(str(site / "**" / "*.html"), recursive=True):
+        outside = loads.findall(open(page).read())
+        assert not outside, (page, outside[:5])
 
 
 def test_every_page_is_in_the_nav():
@@ -96,10 +106,15 @@ def _blocks():
 
 @pytest.mark.parametrize("where,code", list(_blocks()), ids=lambda v: v if "#" in v else "")
 def test_python_on_the_pages_uses_real_names_and_keywords(where, code):
-    """Each ```python block parses; every `hvdtrain.X` is a public name, and every call
-    `hvdtrain.X(...)` binds to X's signature (its keywords exist, not too many positionals)."""
+    """Each ```python block parses; every `hvdtrain.X` is a public name, every call
+    `hvdtrain.X(...)` binds to X's signature (its keywords exist, not too many positionals),
+    and `compile` gets its metrics by keyword (what Keras 2 reads as metrics, Keras 3 reads
+    as loss_weights)."""
     tree = ast.parse(code, filename=where)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "compile":
+            # Keras 3 takes compile's third positional argument as loss_weights, not metrics
+            assert len(node.args) <= 2, f"{where}: pass compile's metrics by keyword"
         if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "hvdtrain":
             assert node.attr in hvdtrain.__all__, f"{where}: hvdtrain.{node.attr} does not exist"
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
