@@ -66,6 +66,7 @@ def test_mnist_trains_on_two_ranks_inside_on_cpu(docker, image, backend):  # noq
     metrics = json.loads(out[out.index("{") :])
     assert metrics["status"] == "finished" and metrics["size"] == 2, metrics
     assert metrics["test_samples"] == 500, metrics
+    assert len({r["weights_digest"] for r in metrics["ranks"]}) == 1, metrics["ranks"]
 
 
 def test_the_gpu_image_holds_no_secret_and_runs_as_uid_1000(docker, image, tmp_path):  # noqa: F811
