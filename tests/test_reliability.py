@@ -93,6 +93,24 @@ def test_history_is_kept_across_resumes_and_a_diverging_run_stops_on_every_rank(
     assert len(out["history"]["loss"]) == 2
 
 
+@pytest.mark.timeout(300)
+def test_a_diverging_keras3_run_stops_on_every_rank_and_keeps_the_checkpoint(tmp_path):
+    """The same stop on the Keras 3 path: a good epoch, then `--lr 1e30`."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    args = [*MNIST, "--keras", "3", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
+    run_job(2, "gloo", [*args, "--epochs", "1"])
+    good = digest(ckpt / "epoch-0001")
+    proc = run_job(2, "gloo", [*args, "--epochs", "2", "--lr", "1e30"], check=False)
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and "Exit code: 3" in proc.stderr + proc.stdout
+    assert len(lines) == 1 and "training diverged: the " in lines[0], lines
+    assert "at epoch 2" in lines[0], lines
+    assert sorted(os.listdir(ckpt)) == ["epoch-0001", "model.keras"]
+    assert digest(ckpt / "epoch-0001") == good
+    out = strict_json(metrics)
+    assert out["status"] == "diverged" and out["keras"] == "Keras 3"
+
+
 @pytest.mark.timeout(200)
 def test_a_failed_write_after_training_keeps_the_model_and_says_what_was_written(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "out" / "m.json"
@@ -162,7 +180,8 @@ def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
 
 
 @pytest.mark.timeout(300)
-def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(tmp_path):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(tmp_path, keras):
     """A 4 MB tmpfs as --checkpoint-dir, filled when epoch 2 begins: the epoch-2 checkpoint
     fails on rank 0 with one line; every rank exits non-zero (no hang); epoch 1's
     checkpoint is intact and still the one a resume takes."""
@@ -179,7 +198,17 @@ def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(
         proc = run_job(
             2,
             "gloo",
-            [RECIPE, "--epochs", "3", "--checkpoint-dir", str(disk), "--fill-disk-at-epoch", "2"],
+            [
+                RECIPE,
+                "--epochs",
+                "3",
+                "--checkpoint-dir",
+                str(disk),
+                "--fill-disk-at-epoch",
+                "2",
+                "--keras",
+                keras,
+            ],
             check=False,
         )
         text = proc.stdout + proc.stderr
@@ -193,7 +222,9 @@ def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(
         assert ended or "[1]<stderr>:hvdtrain: rank 1 stopped: " in text, text[-3000:]
         assert sorted(os.listdir(disk)) == ["epoch-0001", "filler"]
         (disk / "filler").unlink()
-        again = run_job(2, "gloo", [RECIPE, "--epochs", "1", "--checkpoint-dir", str(disk)])
+        again = run_job(
+            2, "gloo", [RECIPE, "--epochs", "1", "--checkpoint-dir", str(disk), "--keras", keras]
+        )
         assert "resuming at epoch 2, step 0" in again.stdout + again.stderr
     finally:
         subprocess.run(["umount", str(disk)], check=False)
