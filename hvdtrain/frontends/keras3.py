@@ -62,7 +62,7 @@ def compiled(model):
     2's `compile(opt, loss, ["accuracy"])` fails at the first step on Keras 3)."""
     config = getattr(getattr(model, "_compile_config", None), "config", None)
     weights = (config or {}).get("loss_weights")
-    values = weights.values() if isinstance(weights, dict) else weights
+    values = list(weights.values()) if isinstance(weights, dict) else weights
     if isinstance(values, list | tuple) and not all(
         isinstance(v, int | float) and not isinstance(v, bool) for v in values
     ):
