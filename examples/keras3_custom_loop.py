@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
-from hvdtrain.frontends.keras3 import WarmupSchedule
 
 parser = argparse.ArgumentParser(description="A Keras 3 model, a loop of your own.")
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -46,7 +45,8 @@ hidden = keras.layers.BatchNormalization()(keras.layers.Dense(32, activation="re
 model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(hidden))
 # Horovod: the learning rate rises from --lr to size x --lr over the first epoch, and the
 # optimizer's apply() averages the gradients over the ranks first.
-opt = hvdtrain.distributed_optimizer(keras.optimizers.Adam(WarmupSchedule(args.lr, size, steps)))
+lr = hvdtrain.WarmupSchedule(args.lr, size, steps)  # a Keras 3 schedule too, with Keras 3 imported
+opt = hvdtrain.distributed_optimizer(keras.optimizers.Adam(lr))
 loss_fn = keras.losses.BinaryCrossentropy()
 model.compile(optimizer=opt, loss=loss_fn, metrics=["accuracy"])  # what evaluation reports
 opt.build(model.trainable_variables)  # the optimizer's slots, for the broadcast and restore

@@ -28,6 +28,7 @@ __all__ = [
     "legacy_keras_needed",
     "keras_problem",
     "require_keras2",
+    "keras3_imported",
 ]
 
 LEGACY_KERAS = "TF_USE_LEGACY_KERAS"
@@ -116,3 +117,11 @@ def require_keras2():
     if problem:
         raise HvdtrainError(problem)
     require_keras2.passed = True
+
+
+def keras3_imported():
+    """The Keras 3 module (`import keras`) where this process has imported it, else None (also
+    on TensorFlow 2.15, whose `keras` is Keras 2). Importing it costs a second: hvdtrain
+    follows the script's imports rather than importing it itself."""
+    keras = sys.modules.get("keras")
+    return keras if str(getattr(keras, "__version__", "")).startswith("3.") else None

@@ -6,8 +6,6 @@ scaled by N (Goyal et al., 2017). Starting at the full rate destabilises the fir
 so it ramps linearly from the single-worker rate to N times that over the warmup.
 """
 
-import sys
-
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
@@ -50,10 +48,10 @@ class WarmupMath:
     schedules = None
 
     def __init__(self, base_lr, size, warmup_steps):
-        schedules = self.schedules
-        if isinstance(base_lr, dict):  # from get_config
-            base_lr = schedules.deserialize(base_lr)
-        if not isinstance(base_lr, schedules.LearningRateSchedule):
+        if isinstance(base_lr, dict):  # from get_config: deserialized by its own Keras
+            base_lr = dict(base_lr)
+            base_lr = _schedules(base_lr.pop("keras", None), self.schedules).deserialize(base_lr)
+        if _schedules_of(base_lr) is None:  # a schedule of either Keras, or a number
             if isinstance(base_lr, bool) or not isinstance(base_lr, int | float) or base_lr <= 0:
                 raise invalid_value("lr", base_lr, "a positive single-worker learning rate")
             base_lr = float(base_lr)
@@ -73,24 +71,55 @@ class WarmupMath:
 
     def get_config(self):
         base = self.base_lr
-        if not isinstance(base, float):
-            base = self.schedules.serialize(base)
+        if not isinstance(base, float):  # the two Keras serialize alike: name which one
+            package = type(base).__module__.partition(".")[0]
+            base = {**_schedules_of(base).serialize(base), "keras": package}
         return {"base_lr": base, "size": self.size, "warmup_steps": self.warmup_steps}
+
+
+def _schedules_of(value):
+    """The `optimizers.schedules` module of the Keras whose `LearningRateSchedule` `value` is
+    (Keras 2's, or Keras 3's where a script imported it), else None."""
+    found = [tf.keras.optimizers.schedules]
+    if compat.keras3_imported():
+        found.append(compat.keras3_imported().optimizers.schedules)
+    return next((s for s in found if isinstance(value, s.LearningRateSchedule)), None)
+
+
+def _schedules(package, default):
+    """The `optimizers.schedules` of the Keras `package` ('tf_keras', 'keras'), else `default`."""
+    keras3 = compat.keras3_imported()
+    if package == "keras" and keras3 is not None:
+        return keras3.optimizers.schedules
+    if package == tf.keras.Model.__module__.partition(".")[0]:
+        return tf.keras.optimizers.schedules
+    return default
 
 
 @tf.keras.utils.register_keras_serializable(package="hvdtrain")
 class WarmupSchedule(WarmupMath, tf.keras.optimizers.schedules.LearningRateSchedule):
     """`warmup_lr` as a Keras schedule: it follows `optimizer.iterations`, so a resumed run
-    continues the warmup where the checkpoint left it. (Keras 2; the same for Keras 3
-    optimizers is `hvdtrain.frontends.keras3.WarmupSchedule`.)
+    continues the warmup where the checkpoint left it.
+
+    The optimizers of both Keras take it: once a script has imported Keras 3 (`import
+    keras`), the object made is also a Keras 3 schedule (`hvdtrain.frontends.keras3`'s
+    subclass), so `keras.optimizers.Adam(hvdtrain.WarmupSchedule(...))` works as
+    `tf.keras.optimizers.Adam(...)` does.
 
     Args:
         base_lr: the single-worker learning rate, or the single-worker schedule (a
-            `LearningRateSchedule`, e.g. a decay): its value at each step is scaled.
-        size: the number of ranks; warmup_steps: steps from 1x to `size`x (0: none).
+            `LearningRateSchedule` of either Keras, e.g. a decay): its value at each step
+            is scaled.
+        size: the number of ranks.
+        warmup_steps: steps from 1x to `size`x (0: none).
     """
 
     schedules = tf.keras.optimizers.schedules
+
+    def __new__(cls, *args, **kwargs):
+        if cls is WarmupSchedule and compat.keras3_imported():  # Keras 3 is in this process
+            from hvdtrain.frontends.keras3 import WarmupSchedule as cls
+        return super().__new__(cls)
 
 
 def rescale_schedule(model, schedule, size, warmup_steps):
@@ -131,7 +160,7 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     A Keras 3 optimizer (`import keras`) gets hvdtrain's own wrapper instead
     (`hvdtrain.frontends.keras3.distributed_optimizer`: its `apply` averages the gradients).
     """
-    keras3 = sys.modules.get("keras")
+    keras3 = compat.keras3_imported()
     if keras3 is not None and isinstance(optimizer, keras3.optimizers.Optimizer) and not kwargs:
         from hvdtrain.frontends import keras3 as frontend
 

@@ -188,7 +188,7 @@ class Run:
         """`build_model()`; the one-line error where one Keras refused an object of the other."""
         try:
             return self.build_model()
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             mixed = frontends.mixed_keras(e)
             if mixed is None:
                 raise

@@ -67,6 +67,10 @@ def build_model():
     elif how == "k3-model-k2-layer":
         m = keras.Sequential([keras.Input((4,)), tf.keras.layers.Dense(1)])
         m.compile(optimizer="sgd", loss="mse")
+    elif how == "k2-layer-on-k3-input":  # raised inside tf.keras, naming no class
+        x = keras.Input((4,))
+        m = keras.Model(x, tf.keras.layers.Dense(1)(x))
+        m.compile(optimizer="sgd", loss="mse")
     else:  # a Keras 3 layer called on tf.keras tensors: Keras 2 keeps only its variables
         x = tf.keras.Input((4,))
         m = tf.keras.Model(x, keras.layers.Dense(1)(x))
@@ -90,6 +94,7 @@ MIXED_CASES = [
     for how, words in (
         ("k2-model-k3-optimizer", "Keras 2 (tf.keras) refused an object of Keras 3"),
         ("k3-model-k2-layer", "Keras 3 (`import keras`) refused an object of Keras 2"),
+        ("k2-layer-on-k3-input", "Keras 2 (tf.keras) refused an object of Keras 3"),
         ("k2-model-k3-layer-call", "a Keras 2 (tf-keras) model holds Variable"),
     )
 ]

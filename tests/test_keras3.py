@@ -119,3 +119,28 @@ def test_xla_asked_for_is_turned_off_in_one_line(keras, tmp_path):
     out = proc.stdout + proc.stderr
     assert out.count("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled") == 1
     assert "Traceback" not in out and json.loads(metrics.read_text())["size"] == 2
+
+
+def test_warmup_schedule_goes_into_the_optimizers_of_both_keras():
+    """`hvdtrain.WarmupSchedule` in a Keras 3 optimizer failed when it was built (Keras 3 took
+    the Keras 2 schedule for a callable of no arguments); now, with Keras 3 imported, it is a
+    schedule of both, over a base schedule of either, and each Keras saves and loads it."""
+    import keras
+    import tensorflow as tf
+
+    import hvdtrain
+    from hvdtrain.optim import warmup_lr
+
+    def decays():
+        return [k.optimizers.schedules.ExponentialDecay(0.1, 4, 0.5) for k in (keras, tf.keras)]
+
+    for k in (keras, tf.keras):
+        for base in (0.1, *decays()):
+            opt = k.optimizers.SGD(hvdtrain.WarmupSchedule(base, 2, 10))
+            again = k.optimizers.deserialize(k.optimizers.serialize(opt))
+            assert isinstance(again._learning_rate, hvdtrain.WarmupSchedule)
+            for step in (0, 5, 12):
+                single = base if isinstance(base, float) else 0.1 * 0.5 ** (step / 4)
+                expected = warmup_lr(step, single, 2, 10)
+                assert float(again._learning_rate(step)) == pytest.approx(expected, rel=1e-6)
+            assert float(opt.learning_rate) == pytest.approx(0.1)  # step 0: the base rate

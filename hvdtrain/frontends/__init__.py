@@ -13,9 +13,9 @@ Keras 3 is imported only where a script imported it (`import keras` costs a seco
 
 import os
 import re
-import sys
 import traceback
 
+from hvdtrain import compat
 from hvdtrain.errors import HvdtrainError, invalid_value, one_line
 
 __all__ = ["for_model", "loaded", "mixed_keras", "add_keras_flag", "keras_module"]
@@ -26,7 +26,7 @@ def loaded():
     from hvdtrain.frontends import keras2
 
     found = [keras2]
-    if "keras" in sys.modules:
+    if compat.keras3_imported():
         from hvdtrain.frontends import keras3
 
         found.append(keras3)
@@ -92,16 +92,32 @@ _NAMED = re.compile(r"(?<![\w.])(tf_keras|keras)\.src\.")
 def mixed_keras(error):
     """The one-line error for `error`, raised by one Keras while building or compiling a model
     because it was given an object of the other (a tf.keras optimizer in a Keras 3 `compile`,
-    a Keras 3 layer in a tf.keras `Sequential`), else None."""
+    a Keras 3 layer in a tf.keras `Sequential`, a tf.keras layer called on a `keras.Input`),
+    else None: the other Keras named in the message, or an object of it in the raising
+    frame's variables (`'tuple' object has no attribute 'rank'` names nothing)."""
     frames = traceback.extract_tb(error.__traceback__)
     raiser = frames[-1].filename.replace(os.sep, "/") if frames else ""
     raised_by = "tf_keras" if "/tf_keras/" in raiser else "keras" if "/keras/" in raiser else ""
-    named = {m.group(1) for m in _NAMED.finditer(str(error))}
+    named = {m.group(1) for m in _NAMED.finditer(str(error))} | _held(error)
     if not raised_by or not named - {raised_by} or len(loaded()) < 2:
         return None
     names = {"tf_keras": "Keras 2 (tf.keras)", "keras": "Keras 3 (`import keras`)"}
     other = names[(named - {raised_by}).pop()]
     return _mixing(f"{names[raised_by]} refused an object of {other}: {one_line(error)}")
+
+
+def _held(error):
+    """The Keras packages of the objects in the variables of the frame that raised `error`
+    (one level into lists and tuples)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    found = set()
+    for value in tb.tb_frame.f_locals.values() if tb is not None else ():
+        for v in value if isinstance(value, list | tuple) else (value,):
+            if _package(v) in ("keras", "tf_keras"):
+                found.add(_package(v))
+    return found
 
 
 def add_keras_flag(parser):

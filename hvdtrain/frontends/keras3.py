@@ -87,8 +87,10 @@ def base_lr(opt):
 
 
 @keras.saving.register_keras_serializable(package="hvdtrain")
-class WarmupSchedule(optim.WarmupMath, keras.optimizers.schedules.LearningRateSchedule):
-    """`hvdtrain.WarmupSchedule` for Keras 3 optimizers."""
+@tf.keras.utils.register_keras_serializable(package="hvdtrain", name="WarmupScheduleKeras3")
+class WarmupSchedule(optim.WarmupSchedule, keras.optimizers.schedules.LearningRateSchedule):
+    """`hvdtrain.WarmupSchedule` once Keras 3 is imported: a schedule of both Keras (the
+    optimizers of each check for their own base class), saved and loaded by either."""
 
     schedules = keras.optimizers.schedules
 
