@@ -1,4 +1,5 @@
-"""The distributed math, on real ranks: sharding, broadcast, LR, metrics, equivalence."""
+"""The distributed math, on real ranks, for both Keras: sharding, broadcast, LR, metrics,
+equivalence."""
 
 import json
 import os
@@ -8,11 +9,20 @@ import pytest
 from conftest import run_job, worker
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(
+    scope="module",
+    params=[("gloo", "2"), ("mpi", "2"), ("gloo", "3"), ("mpi", "3")],
+    ids=lambda p: f"{p[0]}-keras{p[1]}",
+)
 def ranks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"dist-{request.param}")
-    run_job(2, request.param, [worker("dist_checks.py"), str(out)])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    """Each rank's record, for each backend and Keras (3: the model, optimizer and losses of
+    `import keras`, through the same building blocks)."""
+    backend, keras = request.param
+    out = tmp_path_factory.mktemp(f"dist-{backend}-keras{keras}")
+    run_job(2, backend, [worker("dist_checks.py"), str(out), keras])
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["keras"].startswith(keras) for r in records)
+    return records
 
 
 def test_shards_are_disjoint_cover_the_data_and_give_equal_steps(ranks):

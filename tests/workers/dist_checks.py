@@ -1,6 +1,8 @@
 """Runs under `horovodrun -np N`: each rank records what the tests assert (one JSON per rank).
 
-horovodrun -np 2 -H localhost:2 python tests/workers/dist_checks.py OUT_DIR
+horovodrun -np 2 -H localhost:2 python tests/workers/dist_checks.py OUT_DIR [3]
+
+With 3, the model, optimizer, losses and callbacks are Keras 3's (`import keras`).
 """
 
 import json
@@ -14,6 +16,10 @@ import tensorflow as tf
 import hvdtrain
 
 out = sys.argv[1]
+if sys.argv[2:] == ["3"]:
+    import keras as K
+else:
+    K = tf.keras
 hvdtrain.init()
 rank, size = hvd.rank(), hvd.size()
 res = {"rank": rank, "size": size, "local_rank": hvd.local_rank()}
@@ -27,17 +33,15 @@ ds = hvdtrain.train_dataset(ids.astype(np.float32)[:, None], ids, batch, rank, s
 res["epoch_samples"] = [int(v) for _, yb in ds.take(res["steps"]) for v in yb.numpy()]
 
 # Broadcast: every rank starts from a different random initialisation.
-tf.keras.utils.set_random_seed(100 + rank)
-model = tf.keras.Sequential(
-    [tf.keras.Input((4,)), tf.keras.layers.Dense(16, activation="relu"), tf.keras.layers.Dense(3)]
-)
+K.utils.set_random_seed(100 + rank)
+model = K.Sequential([K.Input((4,)), K.layers.Dense(16, activation="relu"), K.layers.Dense(3)])
 base_lr, warmup = 0.01, 4
 optimizer = hvdtrain.distributed_optimizer(
-    tf.keras.optimizers.Adam(hvdtrain.WarmupSchedule(base_lr, size, warmup))
+    K.optimizers.Adam(hvdtrain.WarmupSchedule(base_lr, size, warmup))
 )
-model.compile(
-    optimizer, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
-)
+loss_fn = K.losses.SparseCategoricalCrossentropy(from_logits=True)
+model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
+res["keras"] = "2" if K is tf.keras else K.__version__
 res["digest_init"] = hvdtrain.weights_digest(model)
 hvdtrain.broadcast_initial_state(model, optimizer)
 res["digest_broadcast"] = hvdtrain.weights_digest(model)
@@ -47,8 +51,11 @@ rng = np.random.default_rng(rank)
 x = rng.normal(size=(512, 4)).astype(np.float32)
 y = rng.integers(0, 3, 512)
 lrs = []
-record = tf.keras.callbacks.LambdaCallback(
-    on_train_batch_end=lambda b, logs: lrs.append(float(optimizer.learning_rate))
+# The rate each step applies: Keras 2 reports it after the step (`_current_learning_rate`),
+# Keras 3 at the optimizer's step, so before it.
+when = "on_train_batch_begin" if K is not tf.keras else "on_train_batch_end"
+record = K.callbacks.LambdaCallback(
+    **{when: lambda b, logs: lrs.append(float(optimizer.learning_rate))}
 )
 model.fit(
     hvdtrain.train_dataset(x, y, 32, 0, 1),
@@ -73,7 +80,7 @@ res["eval_exact"] = {
     "accuracy": float((logits.argmax(-1) == ye).mean()),
 }
 # The same from a stream of unknown length (a filter), 4 steps per execution: counted once.
-model.compile(optimizer, model.loss, ["accuracy"], steps_per_execution=4)
+model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"], steps_per_execution=4)
 stream = hvdtrain.eval_dataset(xe, ye, 64, rank, size).unbatch().filter(lambda x, y: True)
 res["eval_stream"] = hvdtrain.evaluate(model, stream.batch(16))
 shard = hvdtrain.shard_indices(1001, rank, size)
