@@ -92,9 +92,13 @@ def test_raising_rank_ends_the_job(backend, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("keras", ["2", "3"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sleeping_rank_ends_the_job(backend, tmp_path):
-    proc, output, after = run_fault(backend, tmp_path, "sleep")
+def test_sleeping_rank_ends_the_job(backend, keras, tmp_path):
+    """Named by its own watchdog, for a model of either Keras (3: `import keras`)."""
+    proc, output, after = run_fault(
+        backend, tmp_path, "sleep", *(["--keras3"] if keras == "3" else [])
+    )
     assert proc.returncode != 0, output[-6000:]
     assert STALL <= after < STALL + SLACK, output[-6000:]
     assert re.search(
