@@ -10,7 +10,7 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from hvdtrain import compat
+from hvdtrain import compat, frontends
 from hvdtrain.errors import invalid_value
 
 __all__ = [
@@ -203,9 +203,11 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
 
 
 def state_variables(model, optimizer=None):
-    """The `tf.Variable`s of `model` and `optimizer` (built), in a fixed order: what a rank
-    must share with the others to train on as they do."""
-    variables = list(model.variables) + list(optimizer.variables if optimizer else [])
+    """The `tf.Variable`s of `model` and `optimizer` (built; a loss scale's too), in a fixed
+    order: what a rank must share with the others to train on as they do."""
+    variables = list(model.variables)
+    if optimizer is not None:
+        variables += frontends.for_model(model).optimizer_variables(optimizer)
     return _tf_variables(variables)
 
 

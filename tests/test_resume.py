@@ -41,9 +41,10 @@ def _run_until(argv, pattern, marker):
         _kill_everything_mentioning(marker, proc)
 
 
-def _job(np, tmp_path, name, extra=()):
+def _job(np, tmp_path, name, extra=(), keras="2"):
     ckpt, metrics = tmp_path / name, tmp_path / f"{name}.json"
-    args = [*BASE, "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics), *extra]
+    args = [*BASE, "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics), *extra,
+            "--keras", keras]  # fmt: skip
     return args, ckpt, metrics
 
 
@@ -89,8 +90,9 @@ def _kill_after(argv, step, delay, marker):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 22 runs; each run of it has its own bound (RUN_TIMEOUT)
-def test_twenty_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(tmp_path):
-    args, _, ref_metrics = _job(2, tmp_path, "reference")
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_twenty_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(keras, tmp_path):
+    args, _, ref_metrics = _job(2, tmp_path, "reference", keras=keras)
     run_job(2, "gloo", args)
     reference = json.loads(ref_metrics.read_text())
 
@@ -99,7 +101,7 @@ def test_twenty_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(tm
     while len(kills) < KILLS:
         kills = sorted({*kills, rng.randrange(1, STEPS)})
     extra = ["--progress", "lines", "--progress-seconds", "0.001"]
-    args, ckpt, metrics = _job(2, tmp_path, "killed", extra)
+    args, ckpt, metrics = _job(2, tmp_path, "killed", extra, keras)
     argv = launch_argv(2, "gloo") + [sys.executable, *args]
     redone, reached = 0, 0
     for step in kills:
@@ -124,8 +126,9 @@ def test_twenty_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(tm
     assert len(final["history"]["loss"]) == 2
 
 
-def test_resume_on_another_number_of_ranks_rescales_the_step(tmp_path):
-    args, ckpt, metrics = _job(2, tmp_path, "elastic")
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_resume_on_another_number_of_ranks_rescales_the_step(keras, tmp_path):
+    args, ckpt, metrics = _job(2, tmp_path, "elastic", keras=keras)
     _run_until(launch_argv(2, "gloo") + [sys.executable, *args], r"\(epoch 1, step 8\)", str(ckpt))
     proc = run_job(1, "none", args)
     m = json.loads(metrics.read_text())

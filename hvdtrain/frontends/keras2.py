@@ -18,6 +18,7 @@ __all__ = [
     "is_distributed",
     "distributed_optimizer",
     "loss_scale",
+    "optimizer_variables",
     "set_seed",
     "set_policy",
     "float32_outputs",
@@ -64,9 +65,24 @@ def base_lr(opt):
 
 
 def loss_scale(optimizer):
-    # The loss scale wraps the distributed optimizer, so the allreduce sees unscaled
-    # gradients and every rank takes the same skip-or-apply decision (Horovod #3807).
+    # The loss scale wraps the distributed optimizer, whose allreduce (in `compute_gradients`)
+    # then carries the scaled gradients, non-finite ones included, so every rank takes the
+    # same skip-or-apply decision (Horovod #3807). The ranks must hold the same scale, so it
+    # is broadcast with the rest (`optimizer_variables`).
     return tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+
+
+def optimizer_variables(opt):
+    """`opt`'s variables, and a loss-scale optimizer's dynamic scale and its counter: saved
+    in its checkpoints (as its trackable children) but not among its `variables`, so a
+    resumed rank 0 held the restored scale and the others the initial one, and their
+    updates differed (the scaled gradients are averaged, then each rank unscales them)."""
+    out = list(opt.variables)
+    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
+        state = getattr(opt, "_loss_scale", None)  # a float for a fixed scale
+        if isinstance(state, tf.__internal__.tracking.Trackable):
+            out += [v for _, v in sorted(state._trackable_children().items())]
+    return out
 
 
 def set_seed(seed):

@@ -27,6 +27,7 @@ __all__ = [
     "is_distributed",
     "distributed_optimizer",
     "loss_scale",
+    "optimizer_variables",
     "set_seed",
     "set_policy",
     "float32_outputs",
@@ -193,6 +194,10 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
     distributed optimizer, whose allreduce comes before the check). A skipped step counts in
     `iterations`, as on Keras 2."""
 
+    def build(self, var_list):
+        if not self.built:  # Keras's makes new scale variables at every call: a scale
+            super().build(var_list)  # restored from a checkpoint was replaced by the initial
+
     def _stateful_handle_non_finite_grads(self):
         # A skipped step still counts, as in Keras 2: `iterations` is the step that the LR
         # schedule, resume and --accumulate's cycles follow.
@@ -211,6 +216,11 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale(optimizer):
     return _AgreedLossScale(optimizer)
+
+
+def optimizer_variables(opt):
+    """`opt`'s variables (a loss-scale optimizer's scale and counter among them)."""
+    return list(opt.variables)
 
 
 def set_seed(seed):
