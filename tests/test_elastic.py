@@ -372,7 +372,8 @@ def test_worker_that_joins_is_synchronised_and_trains(keras, tmp_path, jobs):
 
 
 @pytest.mark.slow
-def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path, jobs):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(keras, tmp_path, jobs):
     """One worker starts, a second joins (another host name of this machine), the first is
     killed: the one that joined ends the job as rank 0, and its metrics describe the whole
     job (every epoch, both resets, the job's wall time), not only its own process."""
@@ -381,7 +382,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
     job = Job(
         ["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script),
          "--network-interface", "lo", "--", sys.executable, "-m", "hvdtrain.mnist", "--elastic",
-         *TRAIN, "--epochs", "6",
+         *TRAIN, "--epochs", "6", "--keras", keras,
          "--metrics-json", str(metrics)],
         marker=str(metrics),
     )  # fmt: skip
@@ -402,6 +403,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
     e = m["elastic"]
     (last,) = m["ranks"]
     assert last["pid"] != first.pid and m["size"] == 1  # the worker that joined
+    assert m["keras"].startswith(f"Keras {keras}")
     assert [(r["reason"], r["size_before"], r["size_after"]) for r in e["resets"]] == [
         ("hosts changed", 1, 2),
         ("a worker failed", 2, 1),
@@ -416,7 +418,8 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(tmp_path
 
 
 @pytest.mark.slow
-def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(keras, tmp_path, jobs):
     """A user's script (tests/workers/recipe.py: its own model and data) through
     `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1 stops making progress
     mid-epoch; its watchdog ends it after the stall time, and rank 0 goes on alone from the
@@ -425,7 +428,7 @@ def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):
     job = Job(
         ["--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--", sys.executable,
          worker("recipe.py"), "--elastic", "--epochs", "3", "--commit-every", "5",
-         "--stall-at", "20", "--threads", "1", "--metrics-json", str(metrics)],
+         "--stall-at", "20", "--threads", "1", "--metrics-json", str(metrics), "--keras", keras],
         marker=str(metrics),
         HVDTRAIN_STALL_SHUTDOWN_SECONDS="5",
     )  # fmt: skip
@@ -436,6 +439,7 @@ def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(tmp_path, jobs):
     assert job.finish() == 0, job.output()[-6000:]
     m = json.loads(metrics.read_text())
     assert m["size"] == 1 and m["steps_per_execution"] > 1  # both in the elastic run
+    assert m["keras"].startswith(f"Keras {keras}")
     (reset,) = m["elastic"]["resets"]
     assert 0 <= reset["redone_steps"] <= 5 + m["steps_per_execution"] - 1
     assert m["optimizer_iterations"] == 3 * m["steps_per_epoch"] and m["test_samples"] == 101
