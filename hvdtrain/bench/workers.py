@@ -40,10 +40,20 @@ import os
 import sys
 import time
 
-__all__ = ["main", "bind_to_cores", "local_rank_from_env", "result_key", "MARKER"]
+__all__ = [
+    "main",
+    "bind_to_cores",
+    "local_rank_from_env",
+    "result_key",
+    "thread_cpu_seconds",
+    "thread_groups",
+    "MARKER",
+]
 
 MARKER = "@@hvdbench "
-CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window
+CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window, and by thread
+THREAD_GROUPS = ("main", "tensorflow", "horovod", "other")
+_HOROVOD_TIDS = set()  # the threads Horovod's init started (its background thread, MPI's)
 VARIANTS = (
     "hvdtrain",
     "hvdtrain-keras3",
@@ -128,15 +138,63 @@ def machine_busy_seconds():
     return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds():
+    """{thread id: (name, CPU seconds)} of this process's threads: Linux's schedstat, in
+    nanoseconds (the tick counts of /proc/.../stat are 10 ms coarse); {} elsewhere."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                seconds = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name, seconds)
+    return out
+
+
+def thread_groups(before, after, horovod_tids, main_tid):
+    """The CPU seconds spent between two `thread_cpu_seconds` snapshots, by group (pure):
+    `main` (the Python thread: Keras's loop, and the ops TensorFlow runs inline on it),
+    `tensorflow` (its tf_* pools), `horovod` (the threads `hvd.init` started: its
+    background thread, MPI's or Gloo's), `other`."""
+    groups = dict.fromkeys(THREAD_GROUPS, 0.0)
+    for tid, (name, seconds) in after.items():
+        spent = seconds - before.get(tid, (name, 0.0))[1]
+        if tid == main_tid:
+            group = "main"
+        elif name.startswith("tf_"):
+            group = "tensorflow"
+        elif tid in horovod_tids:
+            group = "horovod"
+        else:
+            group = "other"
+        groups[group] += spent
+    return {k: round(v, 4) for k, v in groups.items()}
+
+
 def _usage():
     t = os.times()
-    return time.perf_counter(), t.user + t.system, machine_busy_seconds()
+    return time.perf_counter(), t.user + t.system, machine_busy_seconds(), thread_cpu_seconds()
+
+
+def _window(start, end):
+    """(wall seconds, this process's CPU seconds, the machine's busy CPU seconds, this
+    process's CPU seconds by thread group) between two `_usage()`."""
+    busy = None if end[2] is None else end[2] - start[2]
+    groups = thread_groups(start[3], end[3], _HOROVOD_TIDS, os.getpid())
+    return end[0] - start[0], end[1] - start[1], busy, groups
 
 
 def _timer(windows):
-    """A callback that appends (wall seconds, this process's CPU seconds, the machine's busy
-    CPU seconds) of each epoch to `windows`: the last two tell how much of the machine other
-    processes took during the window."""
+    """A callback that appends `_window(...)` of each epoch to `windows`: this process's and
+    the machine's CPU seconds tell how much of the machine other processes took, the thread
+    groups where this process's went."""
     import tensorflow as tf
 
     class WindowTimer(tf.keras.callbacks.Callback):
@@ -144,9 +202,7 @@ def _timer(windows):
             self._start = _usage()
 
         def on_epoch_end(self, epoch, logs=None):
-            end = _usage()
-            busy = None if end[2] is None else end[2] - self._start[2]
-            windows.append((end[0] - self._start[0], end[1] - self._start[1], busy))
+            windows.append(_window(self._start, _usage()))
 
     return WindowTimer()
 
@@ -222,9 +278,7 @@ def _run_input(args, batch, steps, x, y):
         start = _usage()
         for _ in range(steps):
             next(ds)
-        end = _usage()
-        busy = None if end[2] is None else end[2] - start[2]
-        windows.append((end[0] - start[0], end[1] - start[1], busy))
+        windows.append(_window(start, _usage()))
     return windows, {}, 0
 
 
@@ -327,6 +381,14 @@ def _init(variants, threads):
     """Starts what the variants need; returns (rank, size, backend, strategy)."""
     import tensorflow as tf
 
+    before = set(thread_cpu_seconds())
+    try:
+        return _init_variants(variants, threads, tf)
+    finally:
+        _HOROVOD_TIDS.update(set(thread_cpu_seconds()) - before)  # TF's pools start later
+
+
+def _init_variants(variants, threads, tf):
     if "mwms" in variants:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         size = strategy.num_replicas_in_sync
@@ -409,7 +471,8 @@ def main(argv=None):
                     cpu = [round(w[1], 3) for w in windows[1:]]
                     # Single processes started side by side (the ceiling) tell apart by core.
                     who = rank if size > 1 else local_rank_from_env()
-                    line = {"rank": who, "key": result_key(result), "cpu": cpu}
+                    line = {"rank": who, "key": result_key(result), "cpu": cpu,
+                            "threads": [w[3] for w in windows[1:]]}  # fmt: skip
                     print(CPU_MARKER + json.dumps(line), flush=True)
     if strategy is not None and size > 1:
         # Every figure is out; MultiWorkerMirrored's gRPC teardown takes 10 s or more.
