@@ -31,6 +31,7 @@ def train(tmp_path, backend, keras, *extra):
     return [json.loads((tmp_path / f"record.rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow  # the float16 cases below run the same schedule, warmup and resume
 @pytest.mark.parametrize("backend, keras", [("gloo", "2"), ("mpi", "3")])
 def test_a_users_schedule_runs_under_the_warmup_and_goes_on_after_a_resume(
     backend, keras, tmp_path
