@@ -206,8 +206,9 @@ def state_variables(model, optimizer=None):
     """The `tf.Variable`s of `model` and `optimizer` (built; a loss scale's too), in a fixed
     order: what a rank must share with the others to train on as they do."""
     variables = list(model.variables)
+    frontend = frontends.owner(model)
     if optimizer is not None:
-        variables += frontends.for_model(model).optimizer_variables(optimizer)
+        variables += frontend.optimizer_variables(optimizer) if frontend else optimizer.variables
     return _tf_variables(variables)
 
 

@@ -18,7 +18,7 @@ import traceback
 from hvdtrain import compat
 from hvdtrain.errors import HvdtrainError, invalid_value, one_line
 
-__all__ = ["for_model", "loaded", "mixed_keras", "add_keras_flag", "keras_module"]
+__all__ = ["for_model", "owner", "loaded", "mixed_keras", "add_keras_flag", "keras_module"]
 
 
 def loaded():
@@ -52,6 +52,12 @@ def for_model(model):
         "a function returning a compiled Keras model: tf.keras (Keras 2) or `import keras` "
         "(Keras 3, TensorFlow backend)",
     )
+
+
+def owner(model):
+    """The frontend of `model`'s Keras, without `for_model`'s checks (cheap: for what runs
+    often, such as an elastic commit), or None."""
+    return next((f for f in loaded() if f.owns(model)), None)
 
 
 def _package(obj):
