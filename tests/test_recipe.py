@@ -63,11 +63,10 @@ def uninterrupted(files, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(
-    "form",
-    ["arrays", "tfrecord", "keras3", pytest.param("keras3-tfrecord", marks=pytest.mark.slow)],
+@pytest.mark.parametrize(  # every pair of backend, data form and Keras
+    "backend, form",
+    [("gloo", "arrays"), ("mpi", "tfrecord"), ("gloo", "keras3-tfrecord"), ("mpi", "keras3")],
 )
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     backend, form, files, uninterrupted, tmp_path
 ):
