@@ -73,6 +73,20 @@ def test_launcher_never_imports_tensorflow_or_horovod():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_horovodruns_build_check_loads_the_library_without_importing_tensorflow():
+    """Our Horovod patch: horovodrun asks before every launch whether Horovod was built with
+    MPI or Gloo; it used to import all of TensorFlow for that (about 5 s of CPU)."""
+    code = (
+        "import sys; from horovod.common.util import _extension_library; "
+        "ext = _extension_library('tensorflow'); "
+        "print(ext.mpi_built(), ext.gloo_built(), 'tensorflow' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert proc.stdout.split() == ["True", "True", "False"], proc.stdout + proc.stderr
+
+
 # Dry runs: the exact command per backend.
 
 VENV_PATH = f'PATH={BIN}:"$PATH"'
