@@ -63,8 +63,9 @@ def uninterrupted(files, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(  # each backend, data form and Keras once (the kills: test_resume)
-    "backend, form", [("gloo", "arrays"), ("mpi", "keras3-tfrecord")]
+@pytest.mark.parametrize(  # every pair of backend, data form and Keras
+    "backend, form",
+    [("gloo", "arrays"), ("mpi", "tfrecord"), ("gloo", "keras3-tfrecord"), ("mpi", "keras3")],
 )
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     backend, form, files, uninterrupted, tmp_path
