@@ -410,7 +410,7 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(keras, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("keras", ["2"])  # Keras 3's watchdog: test_no_hangs.py
+@pytest.mark.parametrize("keras", ["2", "3"])
 def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(keras, tmp_path, jobs):
     """A user's script (tests/workers/recipe.py: its own model and data) through
     `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1 stops making progress
