@@ -91,17 +91,17 @@ def _kill_after(argv, step, delay, marker):
 @pytest.mark.timeout(1200)  # up to 22 runs; each run of it has its own bound (RUN_TIMEOUT)
 # Twenty on Keras 2; six on Keras 3, whose resume shares everything but the frontend's state
 # (its kill mid-epoch is also in test_recipe.py, under Gloo and MPI).
-@pytest.mark.parametrize("keras, kills", [("2", 20), ("3", 6)])
-def test_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(keras, kills, tmp_path):
+@pytest.mark.parametrize("keras, count", [("2", 20), ("3", 6)])
+def test_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(keras, count, tmp_path):
     args, _, ref_metrics = _job(2, tmp_path, "reference", keras=keras)
     run_job(2, "gloo", args)
     reference = json.loads(ref_metrics.read_text())
 
-    rng = random.Random(kills)  # the moments: global steps, then up to 0.3 s into the next
-    moments = {16, *rng.sample(range(1, STEPS), kills - 1)}  # an epoch's end among them
-    while len(moments) < kills:
-        moments.add(rng.randrange(1, STEPS))
-    kills = sorted(moments)
+    rng = random.Random(count)  # the moments: global steps, then up to 0.3 s into the next
+    kills = {16, *rng.sample(range(1, STEPS), count - 1)}  # an epoch's end among them
+    while len(kills) < count:
+        kills.add(rng.randrange(1, STEPS))
+    kills = sorted(kills)
     extra = ["--progress", "lines", "--progress-seconds", "0.001"]
     args, ckpt, metrics = _job(2, tmp_path, "killed", extra, keras)
     argv = launch_argv(2, "gloo") + [sys.executable, *args]
