@@ -95,7 +95,15 @@ else
     done
     [ -n "$python" ] || die "no fitting Python found: TensorFlow $tf_version with hvdtrain needs Python ${pythons[*]} with venv (python3.X-venv on Debian/Ubuntu), on PATH or as PYTHON=/path/to/python3.X"
   elif ! fits "$python" >/dev/null; then
-    die "Invalid value for \`PYTHON\`: received '$python' ($("$python" -V 2>&1 || echo 'not runnable')); expected Python ${pythons[*]} with venv, for TensorFlow $tf_version"
+    # A bare name that pyenv's shim refuses (python3.12 while 3.11 is pyenv's global): pyenv's own.
+    found=""
+    if [[ "$python" != */* ]] && command -v pyenv >/dev/null; then
+      for c in "$(pyenv root)"/versions/*/bin/"$python"; do
+        if [ -x "$c" ] && fits "$c" >/dev/null; then found=$c; fi
+      done
+    fi
+    [ -n "$found" ] || die "Invalid value for \`PYTHON\`: received '$python' ($("$python" -V 2>/dev/null || echo 'not runnable')); expected Python ${pythons[*]} with venv, for TensorFlow $tf_version"
+    python=$found
   fi
   if [ -x "$venv/bin/python" ] && [ "$(fits "$venv/bin/python" || true)" != "$(fits "$python")" ]; then
     echo "setup_host: $venv has $("$venv/bin/python" -V 2>&1); making it anew with $("$python" -V)"
