@@ -18,7 +18,9 @@ BENCH_TIMEOUT = 540  # a hang fails; a loaded machine took more than 300 s (pyte
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "hvdtrain.bench", "--quick", "--out", str(out)],
+        # --compare-python: this same environment stands in for another stack here
+        [sys.executable, "-m", "hvdtrain.bench", "--quick", "--out", str(out)]
+        + ["--compare-python", sys.executable],
         env=job_env(),
         capture_output=True,
         text=True,
@@ -100,8 +102,21 @@ def test_quick_run_writes_json_markdown_and_png(quick):
     assert (ceiling["model"], ceiling["batch_size"], ceiling["np"]) == ("mlp", 64, n)
     assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0
     assert data["targets"][0]["machine_ceiling"] == ceiling["ceiling"]
+    stacks = data["stacks"]  # the other stack's jobs ran with its python, beside this one's
+    assert [r["python"] for r in data["runs"] if r["group"] == "stack"] == [sys.executable] * 3
+    assert [r["job"] for r in stacks["rows"]] == [
+        "Keras fit, -np 1",
+        "hvdtrain, -np 1",
+        f"hvdtrain, -np {n} (mpi)",
+    ]
+    for r in stacks["rows"]:
+        assert (
+            r["this"] > 0 and r["other"] > 0 and r["ratio"] == pytest.approx(r["this"] / r["other"])
+        )
+    assert stacks["this"] == stacks["other"] and "TF 2." in stacks["this"]
     md = (out / "bench.md").read_text()
     headings = ("## Throughput", "## Keras 3 against Keras 2", "## Targets", "ceiling",
+                "## Old and new stack side by side",
                 "## Allreduce", "## Where rank 0's core goes", "## Projection")  # fmt: skip
     for heading in headings:
         assert heading in md
@@ -132,8 +147,26 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
         "baseline,hvdtrain-keras3,hvdtrain,keras",
     ]
     assert [r.group for r in runs].count("sweep") == 2
+    assert not any(r.group == "stack" or r.python for r in runs)
     assert any(r.group == "tuning" for r in runs)
     assert len({r.name for r in runs}) == len(runs)
+
+
+def test_plan_with_another_stack_interleaves_its_jobs_with_this_ones():
+    from hvdtrain.bench.cli import parse_args, plan_runs
+
+    other = sys.executable  # an environment's python with horovodrun beside it
+    args = parse_args(["--np", "2", "--rounds", "2", "--compare-python", other, "--no-tuning"])
+    main = [r for r in plan_runs(args) if r.group in ("main", "stack")]
+    stack = [r for r in main if r.group == "stack"]
+    assert [(r.variant, r.np, r.backend, r.python) for r in stack] == 2 * [
+        ("keras,hvdtrain", 1, None, other),
+        ("hvdtrain", 2, "gloo", other),
+        ("hvdtrain", 2, "mpi", other),
+    ]
+    groups = [r.group for r in main]  # this stack first in round 1, the other in round 2
+    assert groups == ["main"] * 9 + ["stack"] * 6 + ["main"] * 9
+    assert not any(r.python for r in main if r.group == "main")
 
 
 @pytest.mark.parametrize(
@@ -144,6 +177,8 @@ def test_plan_of_the_full_run_covers_every_variant_backend_and_batch():
         (["--backends", "nccl"], "--backends"),
         (["-np", "1"], "-np"),
         (["--bogus"], "unrecognized"),
+        (["--compare-python", "/nonexistent/bin/python"], "--compare-python"),
+        (["--compare-python", "/bin/sh"], "horovodrun beside it"),  # not an environment's
     ],
 )
 def test_bad_options_are_one_clear_error(argv, match):
@@ -285,6 +320,7 @@ def test_summary_efficiency_ratios_and_targets():
         "projection": {"rows": [], "paper_check": []},
     }
     assert "| mlp | 64 | mpi |" in markdown(data)
+    assert data["stacks"] is None and "Old and new stack" not in markdown(data)
     assert "| mlp | 64 | mpi | 900 | 1,000 | 0.90 | 1,710 | 1,900 | 0.90 | 0.95 | 1.71x |" in (
         markdown(data)
     )
@@ -365,3 +401,56 @@ def test_thread_groups_split_a_process_cpu_time_by_thread():
     assert groups == {"main": 0.5, "tensorflow": 2.2, "horovod": 0.25, "other": 0.1}
     mine = thread_cpu_seconds()  # this process, for real
     assert os.getpid() in mine and all(seconds >= 0 for _, seconds in mine.values())
+
+
+def test_old_and_new_stack_side_by_side():
+    from hvdtrain.bench.report import markdown, summarize
+
+    def on(stack, results):
+        for r in results:
+            r["stack"] = {"python": stack[0], "tensorflow": stack[1]}
+        return results
+
+    new = on(("3.13.0", "2.21.0"), [
+        _result("keras", 1, None, 1100, "same compile options"),
+        _result("keras", 1, None, 900, "plain"),
+        _result("hvdtrain", 1, None, 1000),
+        _result("hvdtrain", 2, "mpi", 1600),
+        _result("hvdtrain", 2, "gloo", 1200),
+        _result("baseline", 1, None, 500),
+    ])  # fmt: skip
+    old = on(("3.11.7", "2.15.1"), [
+        _result("keras", 1, None, 1000, "same compile options"),
+        _result("hvdtrain", 1, None, 800),
+        _result("hvdtrain", 2, "mpi", 1440),
+    ])  # fmt: skip
+    round2 = on(("3.11.7", "2.15.1"), [_result("hvdtrain", 1, None, 1200)])
+    records = [
+        {"group": "main", "results": new},
+        {"group": "stack", "results": old},
+        {"group": "stack", "results": round2},
+    ]
+    s = summarize(records, 2, default_backend="mpi")
+    stacks = s["stacks"]
+    assert stacks["this"] == "TF 2.21.0, Python 3.13.0"
+    assert stacks["other"] == "TF 2.15.1, Python 3.11.7"
+    keras, one, two = stacks["rows"]
+    assert (keras["this"], keras["other"], keras["ratio"]) == (1100, 1000, 1.1)
+    assert (one["this"], one["other"]) == (1000, 1000)  # the other's median over 2 rounds
+    assert (two["this"], two["other"]) == (1600, 1440)  # MPI, hvdtrain-run's default
+    assert two["efficiency_this"] == pytest.approx(0.8)
+    assert two["efficiency_other"] == pytest.approx(0.72)
+    assert len(s["figures"]) == 6  # the other stack's figures stay out of this one's tables
+    data = {
+        **s,
+        "config": {"np": 2, "repeats": 5, "rounds": 2},
+        "environment": {"platform": "x", "cpus": 2},
+        "machine_at_start": {"load_average": [0.1, 0.1, 0.1]},
+        "created": "now",
+        "command": "python -m hvdtrain.bench",
+        "runs": [],
+        "projection": {"rows": [], "paper_check": []},
+    }
+    md = markdown(data)
+    assert "This stack: TF 2.21.0, Python 3.13.0; the other: TF 2.15.1, Python 3.11.7" in md
+    assert "| mlp | 64 | hvdtrain, -np 2 (mpi) | 1,600 | 1,440 | 1.11 | 0.80 | 0.72 |" in md

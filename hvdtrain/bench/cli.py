@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -30,6 +31,7 @@ SWEEP_SIZES = tuple(sorted({4096 * 4**i for i in range(8)} | {MLP_GRADIENT_BYTES
 QUICK_SWEEP_SIZES = (4096, MLP_GRADIENT_BYTES)
 MODELS = ("mlp", "convnet")
 VARIANTS = ("keras", "hvdtrain", "hvdtrain-keras3", "baseline", "mwms")
+STACK_VARIANTS = ("keras", "hvdtrain")  # what `--compare-python` runs on the other stack
 # Steps per timed window: about half a second to two seconds on one core.
 STEPS = "mlp=256,convnet=16"
 QUICK_STEPS = "mlp=32,convnet=4"
@@ -128,6 +130,12 @@ def _parser():
         type=float,
         help="seconds to wait before each job for other processes to leave the cores (60)",
     )
+    p.add_argument(
+        "--compare-python",
+        metavar="PYTHON",
+        help="another environment's python (e.g. .venv-tf2.15.1/bin/python): Keras and "
+        "hvdtrain also run on that stack, interleaved with this one's jobs",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per job (900)")
     return p
 
@@ -171,7 +179,24 @@ def parse_args(argv=None):
     args.sweep_sizes = QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES
     if args.quiet_wait is None:
         args.quiet_wait = 0 if args.quick else 60
+    if args.compare_python:
+        args.compare_python = _other_python(args.compare_python)
     return args
+
+
+def _other_python(path):
+    """The absolute path of another environment's interpreter, its symbolic links kept
+    (a virtual environment's python is one): its horovodrun must sit beside it."""
+    expected = (
+        "another environment's python with horovodrun beside it, e.g. .venv-tf2.15.1/bin/python"
+    )
+    found = shutil.which(path) if os.sep not in path else path
+    if not found or not os.access(found, os.X_OK) or os.path.isdir(found):
+        raise invalid_value("--compare-python", path, expected)
+    found = os.path.abspath(found)
+    if not os.path.isfile(os.path.join(os.path.dirname(found), "horovodrun")):
+        raise invalid_value("--compare-python", path, expected)
+    return found
 
 
 def _worker_args(args, models=None, batch_sizes=None, extra=()):
@@ -200,21 +225,24 @@ def plan_runs(args):
         single = [v for v in args.variants if v != "mwms"]
         if r % 2:  # every other round in reverse order: no variant always goes first
             single.reverse()
+        this = []
         if single:
-            runs.append(Run(f"np1-{'-'.join(single)}{suffix}", ",".join(single), 1, None, common))
+            this.append(Run(f"np1-{'-'.join(single)}{suffix}", ",".join(single), 1, None, common))
         for variant in args.variants:
             if variant == "keras":
                 continue
             if variant == "mwms":
-                runs.append(Run(f"mwms-np1{suffix}", "mwms", 1, None, common))
+                this.append(Run(f"mwms-np1{suffix}", "mwms", 1, None, common))
             backends = ["tfconfig"] if variant == "mwms" else args.backends
             for backend in backends:
                 name = f"{variant}-np{args.np}-{backend}{suffix}"
                 backend = None if variant == "mwms" else backend
-                runs.append(Run(name, variant, args.np, backend, common))
+                this.append(Run(name, variant, args.np, backend, common))
             if variant == "hvdtrain":  # the same N cores busy with no communication at all
                 name = f"ceiling-np{args.np}{suffix}"
-                runs.append(Run(name, variant, args.np, INDEPENDENT, common, group="ceiling"))
+                this.append(Run(name, variant, args.np, INDEPENDENT, common, group="ceiling"))
+        other = _other_stack(args, common, suffix) if args.compare_python else []
+        runs += other + this if r % 2 else this + other  # neither stack always first
     if args.input:
         # The convnet from memory and from TFRecord files, and the file pipeline alone, side
         # by side in each round (the order turned round every other one), on the default
@@ -297,6 +325,23 @@ def plan_runs(args):
                         tags=[("settings", what)],
                     )
                 )
+    return runs
+
+
+def _other_stack(args, common, suffix):
+    """Keras and hvdtrain (at -np 1 and N) under `--compare-python`: the jobs of this stack's
+    main comparison that the other stack can run, group "stack"."""
+    single = [v for v in args.variants if v in STACK_VARIANTS]
+    runs = []
+    if single:
+        name = f"stack-np1-{'-'.join(single)}{suffix}"
+        runs.append(Run(name, ",".join(single), 1, None, common, group="stack"))
+    if "hvdtrain" in args.variants:
+        for backend in args.backends:
+            name = f"stack-hvdtrain-np{args.np}-{backend}{suffix}"
+            runs.append(Run(name, "hvdtrain", args.np, backend, common, group="stack"))
+    for run in runs:
+        run.python = args.compare_python
     return runs
 
 
@@ -433,6 +478,7 @@ def run_benchmark(args):
             "steps_per_window": args.steps,
             "cores_per_rank": args.cores_per_rank,
             "quiet_wait_seconds": args.quiet_wait,
+            "compare_python": args.compare_python,
         },
         "machine_at_start": first,
         "wall_seconds": round(time.time() - started, 1),

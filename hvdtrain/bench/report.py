@@ -372,6 +372,61 @@ def _input(records):
     }
 
 
+def _stack_name(results):
+    stacks = {(r.get("stack") or {}).get("tensorflow") for r in results} - {None}
+    pythons = {(r.get("stack") or {}).get("python") for r in results} - {None}
+    return f"TF {'/'.join(sorted(stacks)) or '?'}, Python {'/'.join(sorted(pythons)) or '?'}"
+
+
+def _stacks(records, n, backend):
+    """This stack against `--compare-python`'s, job for job (the same rounds, interleaved):
+    Keras `fit`, hvdtrain at -np 1 and at -np n, the medians over the rounds; None when
+    the run had no other stack."""
+    other = [r for rec in records if rec["group"] == "stack" for r in rec["results"]]
+    if not other:
+        return None
+    this = [r for rec in records if rec["group"] == "main" for r in rec["results"]]
+    jobs = (
+        ("Keras fit, -np 1", "keras", KERAS_SAME, 1, None),
+        ("hvdtrain, -np 1", "hvdtrain", "", 1, None),
+        (f"hvdtrain, -np {n} ({backend})", "hvdtrain", "", n, backend),
+    )
+
+    def median(results, model, batch, variant, label, np, job_backend):
+        return _median(
+            [
+                r["samples_per_sec"]
+                for r in results
+                if (r["model"], r["batch_size"], r["variant"], r.get("label", ""), r["np"])
+                == (model, batch, variant, label, np)
+                and (job_backend is None or r["backend"] == job_backend)
+            ]
+        )
+
+    rows = []
+    for model, batch in sorted({(r["model"], r["batch_size"]) for r in other}):
+        for job, variant, label, np, job_backend in jobs:
+            a = median(this, model, batch, variant, label, np, job_backend)
+            b = median(other, model, batch, variant, label, np, job_backend)
+            rows.append(
+                {
+                    "model": model,
+                    "batch_size": batch,
+                    "job": job,
+                    "this": a,
+                    "other": b,
+                    "ratio": a / b if a and b else None,
+                }
+            )
+    for model, batch in {(r["model"], r["batch_size"]) for r in rows}:
+        one, many = [r for r in rows if (r["model"], r["batch_size"]) == (model, batch)][1:]
+        for side in ("this", "other"):
+            eff = many[side] / (n * one[side]) if one[side] and many[side] else None
+            many[f"efficiency_{side}"] = eff
+    used = [r for r in this if r["variant"] in ("keras", "hvdtrain")]
+    return {"this": _stack_name(used), "other": _stack_name(other), "rows": rows}
+
+
 def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_bytes=None):
     """{figures, comparison, targets, tuning, allreduce} from the job records."""
     figures = _figures(records)
@@ -389,6 +444,7 @@ def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_
         "profile": _profiles(records, figures, sweep, gradient_bytes),
         "cores": _cores(records),
         "input": _input(records),
+        "stacks": _stacks(records, n, default_backend),
     }
 
 
@@ -522,6 +578,26 @@ def markdown(data):
             lines.append(
                 f"| {c['model']} | {c['batch_size']} | {_fmt(c['alone'])} | "
                 f"{_fmt(c['side_by_side'])} | {_fmt(c['ceiling'], '.2f')} |"
+            )
+    stacks = data.get("stacks")
+    if stacks:
+        lines += [
+            "",
+            "## Old and new stack side by side (`--compare-python`: the same jobs, interleaved)",
+            "",
+            f"This stack: {stacks['this']}; the other: {stacks['other']} (samples/s, all "
+            "ranks; the medians over the rounds; eff. = scaling efficiency).",
+            "",
+            "| model | batch | job | this stack | other stack | this / other | eff. this | "
+            "eff. other |",
+            "|" + " --- |" * 8,
+        ]
+        for r in stacks["rows"]:
+            lines.append(
+                f"| {r['model']} | {r['batch_size']} | {r['job']} | {_fmt(r['this'])} | "
+                f"{_fmt(r['other'])} | {_fmt(r['ratio'], '.2f')} | "
+                f"{_fmt(r.get('efficiency_this'), '.2f', '')} | "
+                f"{_fmt(r.get('efficiency_other'), '.2f', '')} |"
             )
     inp = data.get("input")
     if inp:

@@ -63,6 +63,8 @@ class Run:
         env: variables set for this run only (e.g. a Horovod setting under test).
         group: what the run is for: "main", "ceiling", "tuning", "sweep" or "profile".
         tags: for tuning runs, the (knob, setting) pairs this configuration stands for.
+        python: the interpreter of another environment (`--compare-python`: another
+            stack) for every process of the job, its launcher beside it; None: this one.
     """
 
     name: str
@@ -73,6 +75,7 @@ class Run:
     env: dict = field(default_factory=dict)
     group: str = "main"
     tags: list = field(default_factory=list)
+    python: str | None = None
 
 
 def free_ports(n):
@@ -264,7 +267,7 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
     """
     quiet = quiet_wait(quiet_seconds, log=log) if quiet_seconds else quiet_wait(0)
     uid = os.getuid() if hasattr(os, "getuid") else 1
-    procs = launch(run, sys.executable, base_env, uid)
+    procs = launch(run, run.python or sys.executable, base_env, uid)
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, f"{run.name}.log")
     started = time.monotonic()
@@ -321,6 +324,7 @@ def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=Non
         "group": run.group,
         "tags": [list(t) for t in run.tags],
         "env": dict(run.env),
+        "python": run.python,
         "command": [shlex.join(argv) for argv, _ in procs],
         "exit_codes": codes,
         "ok": all(c == 0 for c in codes),

@@ -37,6 +37,7 @@ Rank 0 prints one line per configuration: `@@hvdbench {json}`.
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 
@@ -510,6 +511,7 @@ def _result(variant, label, size, backend, model_name, batch, steps, windows):
             "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
         },
         "env": {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV)},
+        "stack": {"python": platform.python_version(), "tensorflow": tf.__version__},
     }
 
 
