@@ -167,6 +167,9 @@ def test_plan_with_another_stack_interleaves_its_jobs_with_this_ones():
     groups = [r.group for r in main]  # this stack first in round 1, the other in round 2
     assert groups == ["main"] * 9 + ["stack"] * 6 + ["main"] * 9
     assert not any(r.python for r in main if r.group == "main")
+    # TF_USE_LEGACY_KERAS follows the other stack's TensorFlow (here this one's, >= 2.16)
+    assert args.compare_tensorflow.startswith("2.")
+    assert {r.env["TF_USE_LEGACY_KERAS"] for r in stack} == {"1"}
 
 
 @pytest.mark.parametrize(
@@ -199,6 +202,10 @@ def test_launch_commands_per_variant():
     [(argv, extra)] = launch(Run("b", "hvdtrain", 2, "mpi"), py, env, 1000)
     assert argv[:6] == ["/venv/bin/horovodrun", "--mpi", "-np", "2", "-H", "localhost:2"]
     assert extra["PATH"].startswith("/venv/bin")  # hvdtrain-run's own command builder
+    assert extra.get("TF_USE_LEGACY_KERAS") == "1"  # Keras 2 for tf.keras on TF >= 2.16
+    other = Run("b2", "hvdtrain", 2, "mpi", env={"TF_USE_LEGACY_KERAS": "0"})  # TF 2.15's
+    [(argv, extra)] = launch(other, "/old/bin/python", env, 1000)
+    assert argv[0] == "/old/bin/horovodrun" and "TF_USE_LEGACY_KERAS" not in extra
     [(argv, _)] = launch(Run("c", "baseline", 2, "gloo"), py, env, 1000)
     assert argv[:6] == ["/venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
     procs = launch(Run("d", "mwms", 2, None), py, env, 1000, ports=[5001, 5002])

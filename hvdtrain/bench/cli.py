@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 
@@ -18,12 +19,14 @@ from hvdtrain import tuning
 from hvdtrain.bench import project as project_mod
 from hvdtrain.bench import report
 from hvdtrain.bench.runner import INDEPENDENT, Run, execute, quiet_wait
+from hvdtrain.compat import LEGACY_KERAS, legacy_keras_needed
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.flags import ArgumentParser
 
 __all__ = ["main", "parse_args", "plan_runs", "TUNING", "SWEEP_SIZES", "QUICK_SWEEP_SIZES"]
 
 PROG = "python -m hvdtrain.bench"
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The backend `hvdtrain-run` picks on one host: the one the targets are checked on.
 DEFAULT_BACKEND = "mpi"
 MLP_GRADIENT_BYTES = 269_322 * 4  # 784-256-256-10, float32: the MLP's allreduce per step
@@ -179,16 +182,19 @@ def parse_args(argv=None):
     args.sweep_sizes = QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES
     if args.quiet_wait is None:
         args.quiet_wait = 0 if args.quick else 60
+    args.compare_tensorflow = None
     if args.compare_python:
-        args.compare_python = _other_python(args.compare_python)
+        args.compare_python, args.compare_tensorflow = _other_python(args.compare_python)
     return args
 
 
 def _other_python(path):
-    """The absolute path of another environment's interpreter, its symbolic links kept
-    (a virtual environment's python is one): its horovodrun must sit beside it."""
+    """(the absolute path, the TensorFlow version) of another environment's interpreter, its
+    symbolic links kept (a virtual environment's python is one); its horovodrun must sit
+    beside it. Reads the version from package metadata, without importing TensorFlow."""
     expected = (
-        "another environment's python with horovodrun beside it, e.g. .venv-tf2.15.1/bin/python"
+        "another environment's python with TensorFlow and horovodrun beside it, "
+        "e.g. .venv-tf2.15.1/bin/python"
     )
     found = shutil.which(path) if os.sep not in path else path
     if not found or not os.access(found, os.X_OK) or os.path.isdir(found):
@@ -196,7 +202,18 @@ def _other_python(path):
     found = os.path.abspath(found)
     if not os.path.isfile(os.path.join(os.path.dirname(found), "horovodrun")):
         raise invalid_value("--compare-python", path, expected)
-    return found
+    code = "from hvdtrain.compat import tensorflow_version as v; print(v())"
+    env = {**os.environ, "PYTHONPATH": _ROOT}
+    try:
+        proc = subprocess.run(
+            [found, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        version = proc.stdout.strip() if proc.returncode == 0 else "None"
+    except (OSError, subprocess.TimeoutExpired):
+        version = "None"
+    if version == "None":
+        raise invalid_value("--compare-python", path, expected)
+    return found, version
 
 
 def _worker_args(args, models=None, batch_sizes=None, extra=()):
@@ -340,15 +357,18 @@ def _other_stack(args, common, suffix):
         for backend in args.backends:
             name = f"stack-hvdtrain-np{args.np}-{backend}{suffix}"
             runs.append(Run(name, "hvdtrain", args.np, backend, common, group="stack"))
+    # This process set TF_USE_LEGACY_KERAS=1 when it imported hvdtrain; TensorFlow 2.15's
+    # tf.keras is Keras 2 and the variable would ask it for a tf_keras it does not have.
+    keras2 = "1" if legacy_keras_needed(args.compare_tensorflow) else "0"
     for run in runs:
         run.python = args.compare_python
+        run.env[LEGACY_KERAS] = keras2
     return runs
 
 
 def _base_env(args):
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(
         TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         PYTHONUNBUFFERED="1",
@@ -479,6 +499,7 @@ def run_benchmark(args):
             "cores_per_rank": args.cores_per_rank,
             "quiet_wait_seconds": args.quiet_wait,
             "compare_python": args.compare_python,
+            "compare_tensorflow": args.compare_tensorflow,
         },
         "machine_at_start": first,
         "wall_seconds": round(time.time() - started, 1),

@@ -131,7 +131,9 @@ def launch(run, python, environ, uid, ports=None):
         config = LaunchConfig(
             backend=run.backend, np=run.np, hosts=tuple(local_hosts(run.np)), command=command
         )
-        argv, env = build_command(config, environ, uid, bindir, os.path.join(bindir, "horovodrun"))
+        horovodrun = os.path.join(bindir, "horovodrun")
+        # The job's own variables count as set here (e.g. TF_USE_LEGACY_KERAS on another stack)
+        argv, env = build_command(config, {**environ, **run.env}, uid, bindir, horovodrun)
         return [(argv, env)]
     # The baseline: horovodrun exactly as Horovod's documentation writes it.
     horovodrun = os.path.join(bindir, "horovodrun")
