@@ -270,6 +270,20 @@ def _result(variant, np, backend, sps, label="", model="mlp", batch=64):
     }
 
 
+def _report(summary, rounds):
+    """What `markdown` reads: a summary with the run's config and environment around it."""
+    return {
+        **summary,
+        "config": {"np": 2, "repeats": 5, "rounds": rounds},
+        "environment": {"platform": "x", "cpus": 2},
+        "machine_at_start": {"load_average": [0.1, 0.1, 0.1]},
+        "created": "now",
+        "command": "python -m hvdtrain.bench",
+        "runs": [],
+        "projection": {"rows": [], "paper_check": []},
+    }
+
+
 def test_summary_efficiency_ratios_and_targets():
     from hvdtrain.bench.report import markdown, summarize
 
@@ -316,16 +330,7 @@ def test_summary_efficiency_ratios_and_targets():
         if t["target"] == "MLP scaling efficiency"
     ]
     assert mlp["of_ceiling"] == pytest.approx(0.95 / 0.75) and mlp["ceiling_too_low"]
-    data = {
-        **s,
-        "config": {"np": 2, "repeats": 5, "rounds": 1},
-        "environment": {"platform": "x", "cpus": 2},
-        "machine_at_start": {"load_average": [0.1, 0.1, 0.1]},
-        "created": "now",
-        "command": "python -m hvdtrain.bench",
-        "runs": [],
-        "projection": {"rows": [], "paper_check": []},
-    }
+    data = _report(s, rounds=1)
     assert "| mlp | 64 | mpi |" in markdown(data)
     assert data["stacks"] is None and "Old and new stack" not in markdown(data)
     assert "| mlp | 64 | mpi | 900 | 1,000 | 0.90 | 1,710 | 1,900 | 0.90 | 0.95 | 1.71x |" in (
@@ -448,16 +453,7 @@ def test_old_and_new_stack_side_by_side():
     assert two["efficiency_this"] == pytest.approx(0.8)
     assert two["efficiency_other"] == pytest.approx(0.72)
     assert len(s["figures"]) == 6  # the other stack's figures stay out of this one's tables
-    data = {
-        **s,
-        "config": {"np": 2, "repeats": 5, "rounds": 2},
-        "environment": {"platform": "x", "cpus": 2},
-        "machine_at_start": {"load_average": [0.1, 0.1, 0.1]},
-        "created": "now",
-        "command": "python -m hvdtrain.bench",
-        "runs": [],
-        "projection": {"rows": [], "paper_check": []},
-    }
+    data = _report(s, rounds=2)
     md = markdown(data)
     assert "This stack: TF 2.21.0, Python 3.13.0; the other: TF 2.15.1, Python 3.11.7" in md
     assert "| mlp | 64 | hvdtrain, -np 2 (mpi) | 1,600 | 1,440 | 1.11 | 0.80 | 0.72 |" in md

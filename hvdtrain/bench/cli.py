@@ -18,7 +18,7 @@ import time
 from hvdtrain import tuning
 from hvdtrain.bench import project as project_mod
 from hvdtrain.bench import report
-from hvdtrain.bench.runner import INDEPENDENT, Run, execute, quiet_wait
+from hvdtrain.bench.runner import INDEPENDENT, PACKAGE_ROOT, Run, execute, quiet_wait
 from hvdtrain.compat import LEGACY_KERAS, legacy_keras_needed
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 from hvdtrain.flags import ArgumentParser
@@ -26,7 +26,6 @@ from hvdtrain.flags import ArgumentParser
 __all__ = ["main", "parse_args", "plan_runs", "TUNING", "SWEEP_SIZES", "QUICK_SWEEP_SIZES"]
 
 PROG = "python -m hvdtrain.bench"
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The backend `hvdtrain-run` picks on one host: the one the targets are checked on.
 DEFAULT_BACKEND = "mpi"
 MLP_GRADIENT_BYTES = 269_322 * 4  # 784-256-256-10, float32: the MLP's allreduce per step
@@ -203,7 +202,7 @@ def _other_python(path):
     if not os.path.isfile(os.path.join(os.path.dirname(found), "horovodrun")):
         raise invalid_value("--compare-python", path, expected)
     code = "from hvdtrain.compat import tensorflow_version as v; print(v())"
-    env = {**os.environ, "PYTHONPATH": _ROOT}
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT}
     try:
         proc = subprocess.run(
             [found, "-c", code], env=env, capture_output=True, text=True, timeout=120
@@ -368,7 +367,9 @@ def _other_stack(args, common, suffix):
 
 def _base_env(args):
     env = dict(os.environ)
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = PACKAGE_ROOT + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env.update(
         TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         PYTHONUNBUFFERED="1",

@@ -405,10 +405,11 @@ def _stacks(records, n, backend):
 
     rows = []
     for model, batch in sorted({(r["model"], r["batch_size"]) for r in other}):
+        group = []
         for job, variant, label, np, job_backend in jobs:
             a = median(this, model, batch, variant, label, np, job_backend)
             b = median(other, model, batch, variant, label, np, job_backend)
-            rows.append(
+            group.append(
                 {
                     "model": model,
                     "batch_size": batch,
@@ -418,11 +419,11 @@ def _stacks(records, n, backend):
                     "ratio": a / b if a and b else None,
                 }
             )
-    for model, batch in {(r["model"], r["batch_size"]) for r in rows}:
-        one, many = [r for r in rows if (r["model"], r["batch_size"]) == (model, batch)][1:]
+        _, one, many = group
         for side in ("this", "other"):
             eff = many[side] / (n * one[side]) if one[side] and many[side] else None
             many[f"efficiency_{side}"] = eff
+        rows += group
     used = [r for r in this if r["variant"] in ("keras", "hvdtrain")]
     return {"this": _stack_name(used), "other": _stack_name(other), "rows": rows}
 
