@@ -217,6 +217,12 @@ def test_launch_commands_per_variant():
     }
     [(argv, _)] = launch(Run("e", "allreduce", 2, "gloo", ("--sizes", "4096")), py, env, 1000)
     assert "hvdtrain.bench.allreduce" in argv and "--variant" not in argv
+    [(argv, _)] = launch(Run("f", "floor", 2, "mpi", ("--exchange", "mpi")), py, env, 1000)
+    assert argv[:2] == ["/venv/bin/horovodrun", "--mpi"]
+    assert argv[-4:] == [py, "-m", "hvdtrain.bench.floor", "--exchange", "mpi"][-4:]
+    procs = launch(Run("g", "floor", 2, "independent", ("--exchange", "none")), py, env, 1000)
+    assert [p[1]["HVDBENCH_LOCAL_RANK"] for p in procs] == ["0", "1"]
+    assert procs[0][0] == [py, "-m", "hvdtrain.bench.floor", "--exchange", "none"]
     procs = launch(Run("f", "hvdtrain", 2, "independent", ("--models", "mlp")), py, env, 1000)
     assert [p[0][:3] for p in procs] == [[py, "-m", "hvdtrain.bench.workers"]] * 2  # no launcher
     assert [p[1] for p in procs] == [{"HVDBENCH_LOCAL_RANK": "0"}, {"HVDBENCH_LOCAL_RANK": "1"}]
@@ -457,3 +463,52 @@ def test_old_and_new_stack_side_by_side():
     md = markdown(data)
     assert "This stack: TF 2.21.0, Python 3.13.0; the other: TF 2.15.1, Python 3.11.7" in md
     assert "| mlp | 64 | hvdtrain, -np 2 (mpi) | 1,600 | 1,440 | 1.11 | 0.80 | 0.72 |" in md
+
+
+def test_floor_splits_the_step_by_job_differences():
+    from hvdtrain.bench.floor import JOBS, decompose, markdown
+
+    ms = {"alone": 2.0, "side-by-side": 2.1, "copy": 2.4, "sync": 2.8, "mpi": 3.4, "horovod": 3.2}
+    assert [job for job, *_ in JOBS] == list(ms)
+    parts = decompose(ms)
+    assert parts["parts_ms"]["synchronising every step (4-byte allreduce)"] == pytest.approx(0.4)
+    assert parts["parts_ms"]["moving and summing the gradient (MPI_Allreduce, 1.08 MB)"] == (
+        pytest.approx(0.6)
+    )
+    assert sum(parts["parts_ms"].values()) == pytest.approx(ms["mpi"])  # the parts add up
+    assert parts["horovod_minus_mpi_ms"] == pytest.approx(-0.2)
+    assert parts["floor_step_ms"] == pytest.approx(3.1)  # side by side + wait + transfer
+    assert parts["best_efficiency"] == pytest.approx(2.0 / 3.1)
+    assert parts["efficiency"]["horovod"] == pytest.approx(2.0 / 3.2)
+    text = markdown(ms, parts)
+    assert "| horovod | 3.20 | 0.62 |" in text and "efficiency 0.65 at best" in text
+
+
+@pytest.mark.slow
+def test_floor_quick_run_times_every_job(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvdtrain.bench.floor", "--quick", "--out", str(tmp_path)],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    data = json.loads((tmp_path / "floor.json").read_text())
+    assert list(data["ms_per_step"]) == ["alone", "side-by-side", "copy", "sync", "mpi", "horovod"]
+    assert all(v > 0 for v in data["ms_per_step"].values())
+    # Both unconnected processes and every -np 2 job ran (the logs hold each rank's command)
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == sorted(f"floor-{job}-r0.log" for job in data["ms_per_step"])
+    assert "| horovod |" in (tmp_path / "floor.md").read_text()
+    assert data["inside"]["sync: allreduce_4_bytes_together_us"][0] > 0  # the bare latency
+    assert "ms per step" in proc.stderr  # progress as each job ends
+
+
+def test_floor_rejects_bad_rounds():
+    from hvdtrain.bench import floor
+
+    with pytest.raises(SystemExit) as done:
+        floor.main(["--rounds", "0"])
+    assert done.value.code == 2

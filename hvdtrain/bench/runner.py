@@ -55,7 +55,8 @@ class Run:
 
     Args:
         name: unique, for logs and progress.
-        variant: hvdtrain, baseline, mwms, keras, or allreduce (the sweep).
+        variant: hvdtrain, baseline, mwms, keras, allreduce (the sweep) or floor
+            (`hvdtrain.bench.floor`).
         np: processes.
         backend: gloo or mpi for np > 1 (Horovod variants); `INDEPENDENT` for np
             unconnected processes side by side; None otherwise.
@@ -98,8 +99,11 @@ def tf_config(ports, index):
     return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
 
 
+_MODULES = {"allreduce": "hvdtrain.bench.allreduce", "floor": "hvdtrain.bench.floor"}
+
+
 def _module(variant):
-    return "hvdtrain.bench.allreduce" if variant == "allreduce" else "hvdtrain.bench.workers"
+    return _MODULES.get(variant, "hvdtrain.bench.workers")
 
 
 def launch(run, python, environ, uid, ports=None):
@@ -113,7 +117,7 @@ def launch(run, python, environ, uid, ports=None):
         ports: for mwms with np > 1, one free port per worker.
     """
     command = [python, "-m", _module(run.variant)]
-    if run.variant != "allreduce":
+    if run.variant not in _MODULES:
         command += ["--variant", run.variant]
     command += list(run.args)
     bindir = os.path.dirname(python)
@@ -127,7 +131,7 @@ def launch(run, python, environ, uid, ports=None):
             (command, {"HVDBENCH_LOCAL_RANK": str(i), "TF_CONFIG": tf_config(ports, i)})
             for i in range(run.np)
         ]
-    if run.variant in ("hvdtrain", "allreduce"):
+    if run.variant in ("hvdtrain", *_MODULES):
         config = LaunchConfig(
             backend=run.backend, np=run.np, hosts=tuple(local_hosts(run.np)), command=command
         )
