@@ -39,6 +39,7 @@ COMMANDS = [  # (title, argv after the Python)
     ("`python -m hvdtrain.bench`", ["-m", "hvdtrain.bench", "--help"]),
     ("`python -m hvdtrain.bench.workers`", ["-m", "hvdtrain.bench.workers", "--help"]),
     ("`python -m hvdtrain.bench.allreduce`", ["-m", "hvdtrain.bench.allreduce", "--help"]),
+    ("`python -m hvdtrain.bench.floor`", ["-m", "hvdtrain.bench.floor", "--help"]),
     ("`python -m hvdtrain.launcher.elastic`", ["-m", "hvdtrain.launcher.elastic", "--help"]),
 ]
 

@@ -465,23 +465,21 @@ def test_old_and_new_stack_side_by_side():
     assert "| mlp | 64 | hvdtrain, -np 2 (mpi) | 1,600 | 1,440 | 1.11 | 0.80 | 0.72 |" in md
 
 
-def test_floor_splits_the_step_by_job_differences():
+def test_floor_adds_the_bare_call_to_the_unconnected_step():
     from hvdtrain.bench.floor import JOBS, decompose, markdown
 
     ms = {"alone": 2.0, "side-by-side": 2.1, "copy": 2.4, "sync": 2.8, "mpi": 3.4, "horovod": 3.2}
     assert [job for job, *_ in JOBS] == list(ms)
-    parts = decompose(ms)
-    assert parts["parts_ms"]["synchronising every step (4-byte allreduce)"] == pytest.approx(0.4)
-    assert parts["parts_ms"]["moving and summing the gradient (MPI_Allreduce, 1.08 MB)"] == (
-        pytest.approx(0.6)
-    )
-    assert sum(parts["parts_ms"].values()) == pytest.approx(ms["mpi"])  # the parts add up
-    assert parts["horovod_minus_mpi_ms"] == pytest.approx(-0.2)
-    assert parts["floor_step_ms"] == pytest.approx(3.1)  # side by side + wait + transfer
-    assert parts["best_efficiency"] == pytest.approx(2.0 / 3.1)
+    parts = decompose(ms, {"copy": 0.1, "sync": 0.4, "mpi": 0.9, "together": 4.0})
+    assert parts["floor_step_ms"] == pytest.approx(3.0)  # side by side + the bare call
+    assert parts["best_efficiency"] == pytest.approx(2.0 / 3.0)
+    assert parts["waiting_ms"] == pytest.approx(0.3)  # the 4 bytes, less the copy beside them
+    assert parts["horovod_added_ms"] == pytest.approx(1.1)
     assert parts["efficiency"]["horovod"] == pytest.approx(2.0 / 3.2)
+    assert parts["ceiling"] == pytest.approx(2.0 / 2.1)
     text = markdown(ms, parts)
-    assert "| horovod | 3.20 | 0.62 |" in text and "efficiency 0.65 at best" in text
+    assert "| horovod | 3.20 | 0.62 |" in text and "0.67 at best" in text
+    assert "| the same 4 bytes with the ranks arriving together | 0.004 |" in text
 
 
 @pytest.mark.slow
@@ -502,7 +500,8 @@ def test_floor_quick_run_times_every_job(tmp_path):
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == sorted(f"floor-{job}-r0.log" for job in data["ms_per_step"])
     assert "| horovod |" in (tmp_path / "floor.md").read_text()
-    assert data["inside"]["sync: allreduce_4_bytes_together_us"][0] > 0  # the bare latency
+    assert data["inside"]["together"][0] > 0  # the bare latency, from the sync job
+    assert data["floor_step_ms"] > data["ms_per_step"]["side-by-side"]
     assert "ms per step" in proc.stderr  # progress as each job ends
 
 

@@ -73,7 +73,7 @@ def test_the_flags_reference_is_each_parser_s_help(site):
         assert flag in text, flag
     for flag in ("--hostfile", "--backend", "--gpu", "--workers", "--gpus-per-worker"):
         assert flag in text, flag  # hvdtrain-run, its doctor and k8s
-    for module in ("bench.workers", "bench.allreduce", "launcher.elastic"):
+    for module in ("bench.workers", "bench.allreduce", "bench.floor", "launcher.elastic"):
         assert f"usage: python -m hvdtrain.{module}" in text, module  # run with python -m
 
 

@@ -1,30 +1,33 @@
-"""The floor: what synchronous data parallelism of the MLP costs on this machine, whatever
-software exchanges the gradient.
+"""The floor: the least that synchronous data parallelism costs on this machine, whatever
+software exchanges the gradient (the performance issue's question: are its targets within
+reach?).
 
     python -m hvdtrain.bench.floor --out out/floor --rounds 3
+    python -m hvdtrain.bench.floor --out out/floor128 --rounds 2 --batch-size 128
     python -m hvdtrain.bench.floor --out out/floor --quick   # the smoke run (a minute)
 
-One training loop (the MNIST MLP, per-rank batch 64 or `--batch-size`, Adam, 16 steps per
-`tf.function` call as hvdtrain's `steps_per_execution`, one core per rank), run as these
-jobs, interleaved round by round (the order reversed in even rounds):
+One training loop (the MNIST MLP or `--model convnet`, per-rank batch 64 or `--batch-size`,
+Adam, 16 steps per `tf.function` call as hvdtrain's `steps_per_execution`, one core per
+rank), run as these jobs, interleaved round by round (the order reversed in even rounds):
 
 - `alone`: one process, no exchange: the step's compute;
 - `side-by-side`: two such processes at once, unconnected (this machine's ceiling);
 - under `mpirun -np 2` (the commands `hvdtrain-run` builds), the gradient as one flat
   buffer handed to NumPy every step (`tf.numpy_function`), and there:
-  - `copy`: copied, no exchange (the cost of the detour itself);
+  - `copy`: copied, no exchange (the detour itself);
   - `sync`: a 4-byte `MPI_Allreduce` (mpi4py) and the copy: the ranks wait for each other
-    every step, but no gradient moves;
-  - `mpi`: the 1.08 MB `MPI_Allreduce` (sum, then / 2): the least software any
+    every step, but no gradient moves; then the same 4 bytes in a tight loop, the ranks
+    arriving together (the bare latency);
+  - `mpi`: the whole gradient's `MPI_Allreduce` (sum, then / 2): the least software any
     MPI-based exchange can have;
 - `horovod`: Horovod's grouped allreduce (average) inside the same loop, after
   `hvdtrain.init()` (hvdtrain's settings), no NumPy detour.
 
-The differences between consecutive jobs split the step: `sync - copy` is the price of
-synchronising every step (the ranks' steps are not equally long: the faster one waits),
-`mpi - sync` that of moving and summing the gradient, `horovod - mpi` Horovod's own path
-against the bare one. `floor.json` and `floor.md` go to `--out`; the launcher side never
-imports TensorFlow (the workers are this module with `--exchange`).
+The time inside the NumPy exchange is measured in each job, every step. The bare call's
+time (`mpi`) added to the step of two unconnected processes is the floor: the shortest
+step any exchange of the whole gradient every step can give, with no copy at all.
+`floor.json` and `floor.md` go to `--out`; the launcher side never imports TensorFlow (the
+workers are this module with `--exchange`).
 """
 
 import argparse
@@ -49,30 +52,30 @@ JOBS = (
     ("horovod", "horovod", 2, "mpi"),
 )
 STEPS_PER_CALL = 16
+CALLS = {"mlp": 60, "convnet": 4}  # per timed window: about 2.5 and 8 seconds on one core
 WINDOWS = 5
 
 
-def decompose(ms):
-    """The step split by job differences (ms), and the efficiencies, from `ms`: {job: ms per
-    step}. Pure."""
+def decompose(ms, inside):
+    """The floor, from `ms` ({job: ms per step}, medians over rounds) and `inside` (medians of
+    what was timed inside the NumPy exchange: "copy", "sync" and "mpi" in ms, "together" in
+    µs). Pure.
+
+    The bare `MPI_Allreduce` call timed inside the step (the `mpi` job: the wait for the
+    slower rank, the transfer, the sum and the / 2) added to the step of two unconnected
+    processes is the shortest step any exchange of the whole gradient can give: it leaves out
+    every copy."""
     alone, pair = ms["alone"], ms["side-by-side"]
-    parts = {
-        "compute, one core alone": alone,
-        "two processes side by side (no exchange)": pair - alone,
-        "the NumPy detour (flat buffer, copy)": ms["copy"] - pair,
-        "synchronising every step (4-byte allreduce)": ms["sync"] - ms["copy"],
-        "moving and summing the gradient (MPI_Allreduce, 1.08 MB)": ms["mpi"] - ms["sync"],
-    }
-    # The least any synchronous exchange costs: the wait and the transfer, no copies at all.
-    floor = pair + parts["synchronising every step (4-byte allreduce)"]
-    floor += parts["moving and summing the gradient (MPI_Allreduce, 1.08 MB)"]
+    floor = pair + inside["mpi"]
     return {
-        "parts_ms": parts,
-        "horovod_minus_mpi_ms": ms["horovod"] - ms["mpi"],
         "efficiency": {job: alone / step for job, step in ms.items() if job != "alone"},
         "ceiling": alone / pair,
+        "bare_allreduce_ms": inside["mpi"],
+        "waiting_ms": inside["sync"] - inside["copy"],  # the 4-byte allreduce, less the copy
+        "latency_together_us": inside["together"],
         "floor_step_ms": floor,
         "best_efficiency": alone / floor,
+        "horovod_added_ms": ms["horovod"] - pair,
     }
 
 
@@ -81,20 +84,31 @@ def markdown(ms, parts):
     lines = ["| job | ms per step | efficiency (alone / step) |", "| --- | --- | --- |"]
     lines += [f"| {job} | {step:.2f} | {parts['efficiency'].get(job, 1.0):.2f} |"
               for job, step in ms.items()]  # fmt: skip
-    lines += ["", "| part of the -np 2 step | ms |", "| --- | --- |"]
-    lines += [f"| {name} | {value:+.2f} |" for name, value in parts["parts_ms"].items()]
+    rows = [
+        ("two processes side by side, no exchange: the step", f"{ms['side-by-side']:.2f}"),
+        ("the bare `MPI_Allreduce` of the gradient, timed inside the step (mpi)",
+         f"{parts['bare_allreduce_ms']:.2f}"),
+        ("of which waiting for the slower rank (sync's 4 bytes, less copy's copy)",
+         f"{parts['waiting_ms']:.2f}"),
+        ("the same 4 bytes with the ranks arriving together",
+         f"{parts['latency_together_us'] / 1000:.3f}"),
+        ("the floor: side by side + the bare call (no copies at all)",
+         f"{parts['floor_step_ms']:.2f}"),
+        ("Horovod's job over side by side (everything it adds)",
+         f"{parts['horovod_added_ms']:.2f}"),
+    ]  # fmt: skip
+    lines += ["", "| -np 2 | ms |", "| --- | --- |"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
     lines += [
-        f"| Horovod's path against the bare MPI one (horovod - mpi) | "
-        f"{parts['horovod_minus_mpi_ms']:+.2f} |",
         "",
-        f"Ceiling (alone / side by side): {parts['ceiling']:.2f}. With no copies at all, a step "
-        f"is at least {parts['floor_step_ms']:.2f} ms: efficiency {parts['best_efficiency']:.2f} "
-        "at best.",
+        f"Ceiling (alone / side by side): {parts['ceiling']:.2f}. Efficiency at the floor: "
+        f"{parts['best_efficiency']:.2f} at best; Horovod's job: "
+        f"{parts['efficiency']['horovod']:.2f}.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _worker(exchange, batch, calls):
+def _worker(exchange, model_name, batch, calls):
     from hvdtrain.bench.workers import MARKER, _bind
 
     _bind()
@@ -125,7 +139,7 @@ def _worker(exchange, batch, calls):
             rank, size = comm.Get_rank(), comm.Get_size()
     from hvdtrain.models import build_model
 
-    model = build_model("mlp", tf.keras)
+    model = build_model(model_name, tf.keras)
     variables = model.trainable_variables
     shapes = [v.shape for v in variables]
     sizes = [int(np.prod(s)) for s in shapes]
@@ -213,27 +227,32 @@ def _run(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="out/floor", help="folder for floor.json and floor.md")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", choices=("mlp", "convnet"), default="mlp")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--quick", action="store_true", help="short windows, one round: a smoke run")
     p.add_argument("--quiet-wait", type=float, default=20, help="seconds, at most, per job")
     p.add_argument("--exchange", help=argparse.SUPPRESS)  # worker mode (the launched ranks)
-    p.add_argument("--calls", type=int, default=60, help=argparse.SUPPRESS)
+    p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
+                   "by default 60 for the MLP, 4 for the convnet (seconds each)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.calls is None:
+        args.calls = CALLS[args.model]
     if args.exchange:
-        return _worker(args.exchange, args.batch_size, args.calls)
-    for name, value in (("--rounds", args.rounds), ("--batch-size", args.batch_size)):
+        return _worker(args.exchange, args.model, args.batch_size, args.calls)
+    for name, value in (("--rounds", args.rounds), ("--batch-size", args.batch_size),
+                        ("--calls", args.calls)):  # fmt: skip
         if value < 1:
             raise HvdtrainError(invalid_value(name, value, "a whole number >= 1"))
     if args.quick:
-        args.rounds, args.calls, args.quiet_wait = 1, 4, 0
+        args.rounds, args.calls, args.quiet_wait = 1, max(1, args.calls // 15), 0
     from hvdtrain.bench.runner import Run, execute
 
     jobs, inside = {}, {}  # inside: figures timed inside the NumPy exchange, per round
     for r in range(args.rounds):
         order = JOBS if r % 2 == 0 else JOBS[::-1]
         for job, exchange, np_, backend in order:
-            worker_args = ("--exchange", exchange, "--batch-size", str(args.batch_size),
-                           "--calls", str(args.calls))  # fmt: skip
+            worker_args = ("--exchange", exchange, "--model", args.model, "--batch-size",
+                           str(args.batch_size), "--calls", str(args.calls))  # fmt: skip
             run = Run(f"floor-{job}-r{r}", "floor", np_, backend, worker_args)
             record = execute(run, os.path.join(args.out, "logs"), dict(os.environ), 600,
                              lambda *_, **__: None, quiet_seconds=args.quiet_wait)  # fmt: skip
@@ -242,21 +261,24 @@ def _run(argv):
                 raise HvdtrainError(f"the floor's job {run.name} failed: see {record['log']}")
             jobs.setdefault(job, []).append(statistics.mean(figures))
             for x in record["results"]:
-                for key in ("numpy_exchange_ms", "allreduce_4_bytes_together_us"):
-                    if x.get(key) is not None:
-                        inside.setdefault(f"{job}: {key}", []).append(x[key])
+                if x.get("numpy_exchange_ms") is not None:
+                    inside.setdefault(job, []).append(x["numpy_exchange_ms"])
+                if x.get("allreduce_4_bytes_together_us") is not None:
+                    inside.setdefault("together", []).append(x["allreduce_4_bytes_together_us"])
             print(f"round {r + 1}: {job} {jobs[job][-1]:.2f} ms per step", file=sys.stderr)
     ms = {job: statistics.median(values) for job, values in jobs.items()}
     ms = {job: ms[job] for job, *_ in JOBS}
-    parts = decompose(ms)
+    parts = decompose(ms, {key: statistics.median(values) for key, values in inside.items()})
     report = markdown(ms, parts)
-    report += "\nTimed inside the exchange, round by round:\n\n" + "".join(
-        f"- {key}: {', '.join(f'{v:.3g}' for v in values)}\n" for key, values in inside.items()
+    report += "\nRound by round (ms per step; inside: ms in the exchange, together: µs):\n\n"
+    listed = [*jobs.items(), *((f"inside {key}", values) for key, values in inside.items())]
+    report += "".join(
+        f"- {key}: {', '.join(f'{v:.3g}' for v in values)}\n" for key, values in listed
     )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "floor.json"), "w") as f:
-        json.dump({"batch_size": args.batch_size, "rounds": jobs, "inside": inside,
-                   "ms_per_step": ms, **parts},
+        json.dump({"model": args.model, "batch_size": args.batch_size, "rounds": jobs,
+                   "inside": inside, "ms_per_step": ms, **parts},
                   f, indent=1)  # fmt: skip
     with open(os.path.join(args.out, "floor.md"), "w") as f:
         f.write(report)
