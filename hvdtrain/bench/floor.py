@@ -231,7 +231,8 @@ def _run(argv):
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--quick", action="store_true", help="short windows, one round: a smoke run")
     p.add_argument("--quiet-wait", type=float, default=20, help="seconds, at most, per job")
-    p.add_argument("--exchange", help=argparse.SUPPRESS)  # worker mode (the launched ranks)
+    p.add_argument("--exchange", choices=("none", "copy", "sync", "mpi", "horovod"),
+                   help="worker mode: one rank of one job (what the ranks run)")  # fmt: skip
     p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
                    "by default 60 for the MLP, 4 for the convnet (seconds each)")  # fmt: skip
     args = p.parse_args(argv)
