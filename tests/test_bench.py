@@ -219,8 +219,8 @@ def test_launch_commands_per_variant():
     assert "hvdtrain.bench.allreduce" in argv and "--variant" not in argv
     [(argv, _)] = launch(Run("f", "floor", 2, "mpi", ("--exchange", "mpi")), py, env, 1000)
     assert argv[:2] == ["/venv/bin/horovodrun", "--mpi"]
-    assert argv[-4:] == [py, "-m", "hvdtrain.bench.floor", "--exchange", "mpi"][-4:]
-    procs = launch(Run("g", "floor", 2, "independent", ("--exchange", "none")), py, env, 1000)
+    assert argv[-5:] == [py, "-m", "hvdtrain.bench.floor", "--exchange", "mpi"]
+    procs = launch(Run("f2", "floor", 2, "independent", ("--exchange", "none")), py, env, 1000)
     assert [p[1]["HVDBENCH_LOCAL_RANK"] for p in procs] == ["0", "1"]
     assert procs[0][0] == [py, "-m", "hvdtrain.bench.floor", "--exchange", "none"]
     procs = launch(Run("f", "hvdtrain", 2, "independent", ("--models", "mlp")), py, env, 1000)
@@ -465,21 +465,23 @@ def test_old_and_new_stack_side_by_side():
     assert "| mlp | 64 | hvdtrain, -np 2 (mpi) | 1,600 | 1,440 | 1.11 | 0.80 | 0.72 |" in md
 
 
-def test_floor_adds_the_bare_call_to_the_unconnected_step():
+def test_floor_bounds_the_step_by_the_wait_and_the_transfer():
     from hvdtrain.bench.floor import JOBS, decompose, markdown
 
     ms = {"alone": 2.0, "side-by-side": 2.1, "copy": 2.4, "sync": 2.8, "mpi": 3.4, "horovod": 3.2}
     assert [job for job, *_ in JOBS] == list(ms)
-    parts = decompose(ms, {"copy": 0.1, "sync": 0.4, "mpi": 0.9, "together": 4.0})
-    assert parts["floor_step_ms"] == pytest.approx(3.0)  # side by side + the bare call
-    assert parts["best_efficiency"] == pytest.approx(2.0 / 3.0)
-    assert parts["waiting_ms"] == pytest.approx(0.3)  # the 4 bytes, less the copy beside them
+    inside = {"copy": 0.1, "sync": 0.3, "sync_together": 0.004, "mpi": 0.9,
+              "mpi_together": 0.4, "scale": 0.05}  # fmt: skip
+    parts = decompose(ms, inside)
+    assert parts["bound_step_ms"] == pytest.approx(2.8)  # side by side + wait + together
+    assert parts["bound_efficiency"] == pytest.approx(2.0 / 2.8)
+    assert parts["bare_step_ms"] == pytest.approx(3.05)  # side by side + call + / n
     assert parts["horovod_added_ms"] == pytest.approx(1.1)
     assert parts["efficiency"]["horovod"] == pytest.approx(2.0 / 3.2)
     assert parts["ceiling"] == pytest.approx(2.0 / 2.1)
     text = markdown(ms, parts)
-    assert "| horovod | 3.20 | 0.62 |" in text and "0.67 at best" in text
-    assert "| the same 4 bytes with the ranks arriving together | 0.004 |" in text
+    assert "| horovod | 3.20 | 0.62 |" in text and "at the lower bound 0.71" in text
+    assert "| the same 4 bytes, the ranks arriving together | 0.004 |" in text
 
 
 @pytest.mark.slow
@@ -500,14 +502,20 @@ def test_floor_quick_run_times_every_job(tmp_path):
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == sorted(f"floor-{job}-r0.log" for job in data["ms_per_step"])
     assert "| horovod |" in (tmp_path / "floor.md").read_text()
-    assert data["inside"]["together"][0] > 0  # the bare latency, from the sync job
-    assert data["floor_step_ms"] > data["ms_per_step"]["side-by-side"]
+    inside = data["inside_ms"]
+    # Timed on both ranks; the gradient's allreduce moves and sums more than 4 bytes
+    assert len(data["inside_rounds"]["mpi"][0]["call_by_rank"]) == 2
+    assert inside["mpi_together"] > inside["sync_together"] > 0
+    assert inside["scale"] > 0 and inside["copy"] > 0
     assert "ms per step" in proc.stderr  # progress as each job ends
 
 
-def test_floor_rejects_bad_rounds():
+def test_floor_rejects_bad_counts_before_starting(capsys):
     from hvdtrain.bench import floor
 
-    with pytest.raises(SystemExit) as done:
-        floor.main(["--rounds", "0"])
-    assert done.value.code == 2
+    for argv in (["--rounds", "0"], ["--exchange", "none", "--calls", "0"]):
+        with pytest.raises(SystemExit) as done:
+            floor.main(argv)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert "Invalid value for `--" in err and "Traceback" not in err

@@ -1,6 +1,6 @@
-"""The floor: the least that synchronous data parallelism costs on this machine, whatever
-software exchanges the gradient (the performance issue's question: are its targets within
-reach?).
+"""The floor: a lower bound on what synchronous data parallelism costs on this machine,
+whatever software exchanges the gradient, and what the barest MPI exchange costs (the
+performance issue's question: are its targets within reach?).
 
     python -m hvdtrain.bench.floor --out out/floor --rounds 3
     python -m hvdtrain.bench.floor --out out/floor128 --rounds 2 --batch-size 128
@@ -18,16 +18,20 @@ rank), run as these jobs, interleaved round by round (the order reversed in even
   - `sync`: a 4-byte `MPI_Allreduce` (mpi4py) and the copy: the ranks wait for each other
     every step, but no gradient moves; then the same 4 bytes in a tight loop, the ranks
     arriving together (the bare latency);
-  - `mpi`: the whole gradient's `MPI_Allreduce` (sum, then / 2): the least software any
-    MPI-based exchange can have;
+  - `mpi`: the whole gradient's `MPI_Allreduce` (sum, then / n) into a buffer allocated
+    once: the least software an MPI-based exchange can have; then the same allreduce in
+    a tight loop, the ranks arriving together;
 - `horovod`: Horovod's grouped allreduce (average) inside the same loop, after
   `hvdtrain.init()` (hvdtrain's settings), no NumPy detour.
 
-The time inside the NumPy exchange is measured in each job, every step. The bare call's
-time (`mpi`) added to the step of two unconnected processes is the floor: the shortest
-step any exchange of the whole gradient every step can give, with no copy at all.
-`floor.json` and `floor.md` go to `--out`; the launcher side never imports TensorFlow (the
-workers are this module with `--exchange`).
+Each job times its calls inside the exchange on every rank, every step (the wait falls on
+the faster rank: the ranks' mean is reported), and after its timed windows the same call
+in a tight loop, the ranks arriving together. Two figures follow (`decompose`): a lower
+bound, the unconnected step plus the wait (`sync`) plus the gradient's allreduce with the
+ranks together (no copy, no averaging, nothing else), and the bare path, the unconnected
+step plus the allreduce and the / n as they took inside the step. `floor.json` and
+`floor.md` go to `--out`; the launcher side never imports TensorFlow (the workers are
+this module with `--exchange`).
 """
 
 import argparse
@@ -53,68 +57,78 @@ JOBS = (
 )
 STEPS_PER_CALL = 16
 CALLS = {"mlp": 60, "convnet": 4}  # per timed window: about 2.5 and 8 seconds on one core
+SECONDS_PER_STEP = {"mlp": 0.01, "convnet": 0.5}  # at batch 64: 4x this machine's one core
 WINDOWS = 5
 
 
 def decompose(ms, inside):
-    """The floor, from `ms` ({job: ms per step}, medians over rounds) and `inside` (medians of
-    what was timed inside the NumPy exchange: "copy", "sync" and "mpi" in ms, "together" in
-    µs). Pure.
+    """The step's parts and the floor. Pure.
 
-    The bare `MPI_Allreduce` call timed inside the step (the `mpi` job: the wait for the
-    slower rank, the transfer, the sum and the / 2) added to the step of two unconnected
-    processes is the shortest step any exchange of the whole gradient can give: it leaves out
-    every copy."""
+    Args:
+        ms: {job: ms per step} (medians over rounds).
+        inside: medians, in ms, of what the jobs timed inside the exchange, averaged over the
+            ranks: "copy" (the copy), "sync" (the 4-byte `MPI_Allreduce` in the step: the
+            wait for the slower rank), "mpi" (the gradient's `MPI_Allreduce` in the step),
+            "scale" (the / n after it); and with the ranks arriving together, after the
+            timed windows: "sync_together" (4 bytes: the latency) and "mpi_together" (the
+            gradient: the transfer and the sum alone).
+
+    The lower bound: the unconnected step, the wait and the transfer with the ranks
+    together; no copy, no averaging, nothing else. The bare path: the unconnected step and
+    the calls as they took inside the step (the `MPI_Allreduce` and the / n).
+    """
     alone, pair = ms["alone"], ms["side-by-side"]
-    floor = pair + inside["mpi"]
+    bound = pair + inside["sync"] + inside["mpi_together"]
+    bare = pair + inside["mpi"] + inside["scale"]
     return {
         "efficiency": {job: alone / step for job, step in ms.items() if job != "alone"},
         "ceiling": alone / pair,
-        "bare_allreduce_ms": inside["mpi"],
-        "waiting_ms": inside["sync"] - inside["copy"],  # the 4-byte allreduce, less the copy
-        "latency_together_us": inside["together"],
-        "floor_step_ms": floor,
-        "best_efficiency": alone / floor,
+        "inside_ms": dict(inside),
+        "bound_step_ms": bound,
+        "bound_efficiency": alone / bound,
+        "bare_step_ms": bare,
+        "bare_efficiency": alone / bare,
         "horovod_added_ms": ms["horovod"] - pair,
     }
 
 
 def markdown(ms, parts):
     """The report's two tables. Pure."""
+    inside = parts["inside_ms"]
     lines = ["| job | ms per step | efficiency (alone / step) |", "| --- | --- | --- |"]
     lines += [f"| {job} | {step:.2f} | {parts['efficiency'].get(job, 1.0):.2f} |"
               for job, step in ms.items()]  # fmt: skip
     rows = [
-        ("two processes side by side, no exchange: the step", f"{ms['side-by-side']:.2f}"),
-        ("the bare `MPI_Allreduce` of the gradient, timed inside the step (mpi)",
-         f"{parts['bare_allreduce_ms']:.2f}"),
-        ("of which waiting for the slower rank (sync's 4 bytes, less copy's copy)",
-         f"{parts['waiting_ms']:.2f}"),
-        ("the same 4 bytes with the ranks arriving together",
-         f"{parts['latency_together_us'] / 1000:.3f}"),
-        ("the floor: side by side + the bare call (no copies at all)",
-         f"{parts['floor_step_ms']:.2f}"),
-        ("Horovod's job over side by side (everything it adds)",
-         f"{parts['horovod_added_ms']:.2f}"),
-    ]  # fmt: skip
+        ("two processes side by side, no exchange: the step", ms["side-by-side"]),
+        ("waiting for the slower rank: the 4-byte allreduce in the step (sync)", inside["sync"]),
+        ("the same 4 bytes, the ranks arriving together", inside["sync_together"]),
+        ("the gradient's allreduce in the step (mpi)", inside["mpi"]),
+        ("the same, the ranks arriving together", inside["mpi_together"]),
+        ("the / n after it (mpi)", inside["scale"]),
+        ("lower bound: side by side + the wait + the allreduce together", parts["bound_step_ms"]),
+        ("the bare path: side by side + the allreduce and / n in the step", parts["bare_step_ms"]),
+        ("Horovod's job over side by side (everything it adds)", parts["horovod_added_ms"]),
+    ]
     lines += ["", "| -np 2 | ms |", "| --- | --- |"]
-    lines += [f"| {name} | {value} |" for name, value in rows]
+    lines += [f"| {name} | {value:.3f} |" for name, value in rows]
     lines += [
         "",
-        f"Ceiling (alone / side by side): {parts['ceiling']:.2f}. Efficiency at the floor: "
-        f"{parts['best_efficiency']:.2f} at best; Horovod's job: "
-        f"{parts['efficiency']['horovod']:.2f}.",
+        f"Efficiency: at the lower bound {parts['bound_efficiency']:.2f}, on the bare path "
+        f"{parts['bare_efficiency']:.2f}, Horovod's job {parts['efficiency']['horovod']:.2f}; "
+        f"ceiling (alone / side by side) {parts['ceiling']:.2f}.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def _worker(exchange, model_name, batch, calls):
-    from hvdtrain.bench.workers import MARKER, _bind
+    from hvdtrain.bench.allreduce import _raw_mpi
+    from hvdtrain.bench.workers import MARKER, _bind, _loss, synthetic_data
 
     _bind()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
 
+    comm = None
     if exchange == "horovod":
         import horovod.tensorflow as hvd
 
@@ -144,25 +158,30 @@ def _worker(exchange, model_name, batch, calls):
     shapes = [v.shape for v in variables]
     sizes = [int(np.prod(s)) for s in shapes]
     opt = tf.keras.optimizers.Adam(1e-3)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rng = np.random.default_rng(rank)
-    n = batch * 64
-    xs = tf.constant(rng.random((n, 28, 28, 1), dtype=np.float32))
-    ys = tf.constant(rng.integers(0, 10, n).astype(np.int64))
-    spent = [0.0, 0]  # seconds inside the NumPy exchange, calls
+    loss_fn = _loss()
+    x_np, y_np = synthetic_data(batch * 64, seed=rank)
+    xs, ys = tf.constant(x_np), tf.constant(y_np)
+    # Two result buffers, allocated once, used in turn: no allocation inside the timed calls.
+    outs = [np.empty(sum(sizes), np.float32) for _ in range(2)]
+    spent = {"call": 0.0, "scale": 0.0, "steps": 0}  # seconds, summed over the timed steps
 
     def numpy_exchange(flat):
+        out = outs[spent["steps"] % 2]
         start = time.perf_counter()
-        out = np.empty_like(flat)
         if exchange == "mpi":
             comm.Allreduce(flat, out, op=MPI.SUM)
+            mid = time.perf_counter()
             out *= 1.0 / size
+            spent["scale"] += time.perf_counter() - mid
+            spent["call"] += mid - start
         else:
             if exchange == "sync":
                 comm.Allreduce(flat[:1], out[:1], op=MPI.SUM)
+                spent["call"] += time.perf_counter() - start
             out[:] = flat
-        spent[0] += time.perf_counter() - start
-        spent[1] += 1
+            if exchange == "copy":
+                spent["call"] += time.perf_counter() - start
+        spent["steps"] += 1
         return out
 
     def exchange_gradients(grads):
@@ -190,36 +209,58 @@ def _worker(exchange, model_name, batch, calls):
         hvd.broadcast_variables(variables, 0)
     for k in range(max(3, calls // 3)):  # warm-up: tracing, caches
         steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL))
-    spent[:] = [0.0, 0]
+    spent.update(call=0.0, scale=0.0, steps=0)
     windows = []
     for _ in range(WINDOWS):
         start = time.perf_counter()
         for k in range(calls):
             steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL)).numpy()
         windows.append(1e3 * (time.perf_counter() - start) / (calls * STEPS_PER_CALL))
-    together = None
-    if exchange == "sync":  # the same 4 bytes with the ranks arriving together: the latency
-        one, out = np.ones(1, np.float32), np.empty(1, np.float32)
-        comm.Barrier()
-        times = []
-        for _ in range(2000):
-            start = time.perf_counter()
-            comm.Allreduce(one, out, op=MPI.SUM)
-            times.append(time.perf_counter() - start)
-        together = 1e6 * statistics.median(times)
+    inside = {}
+    if comm is not None:  # every rank's mean per step (the wait falls on the faster one)
+        n = max(spent["steps"], 1)
+        mine = {"call": 1e3 * spent["call"] / n, "scale": 1e3 * spent["scale"] / n}
+        if exchange in ("sync", "mpi"):  # the same call in a tight loop, the ranks together
+            nbytes = 4 if exchange == "sync" else 4 * sum(sizes)
+            mine["together"] = 1e3 * _raw_mpi(comm, [nbytes])[nbytes]
+        ranks = comm.gather(mine, root=0)
+        if rank == 0:
+            inside = {key: statistics.mean(r[key] for r in ranks) for key in mine}
+            inside["call_by_rank"] = [r["call"] for r in ranks]
     if rank == 0:
         result = {
             "kind": "floor",
             "exchange": exchange,
             "np": size,
             "batch_size": batch,
+            "gradient_bytes": 4 * sum(sizes),
             "ms_per_step": statistics.median(windows),
             "windows_ms": windows,
-            "numpy_exchange_ms": 1e3 * spent[0] / spent[1] if spent[1] else None,
-            "allreduce_4_bytes_together_us": together,
+            "inside_ms": inside,
         }
         print(MARKER + json.dumps(result), flush=True)
     return 0
+
+
+def _inside(by_job):
+    """{job: [inside_ms per round]} -> `decompose`'s `inside` (medians over rounds)."""
+    med = {job: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
+                 if key != "call_by_rank"} for job, rounds in by_job.items()}  # fmt: skip
+    return {
+        "copy": med["copy"]["call"],
+        "sync": med["sync"]["call"],
+        "sync_together": med["sync"]["together"],
+        "mpi": med["mpi"]["call"],
+        "mpi_together": med["mpi"]["together"],
+        "scale": med["mpi"]["scale"],
+    }
+
+
+def _timeout(model, batch, calls):
+    """Seconds a job may take: a generous bound (4x this machine's step, one core) on its
+    warm-up and timed windows, and 5 minutes for starting up."""
+    step = SECONDS_PER_STEP[model] * batch / 64
+    return 300 + (WINDOWS + 1) * calls * STEPS_PER_CALL * step
 
 
 def _run(argv):
@@ -236,50 +277,48 @@ def _run(argv):
     p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
                    "by default 60 for the MLP, 4 for the convnet (seconds each)")  # fmt: skip
     args = p.parse_args(argv)
+    for name in ("rounds", "batch_size", "calls"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise invalid_value(f"--{name.replace('_', '-')}", value, "a whole number >= 1")
     if args.calls is None:
-        args.calls = CALLS[args.model]
+        args.calls = max(1, CALLS[args.model] // 15) if args.quick else CALLS[args.model]
     if args.exchange:
         return _worker(args.exchange, args.model, args.batch_size, args.calls)
-    for name, value in (("--rounds", args.rounds), ("--batch-size", args.batch_size),
-                        ("--calls", args.calls)):  # fmt: skip
-        if value < 1:
-            raise HvdtrainError(invalid_value(name, value, "a whole number >= 1"))
     if args.quick:
-        args.rounds, args.calls, args.quiet_wait = 1, max(1, args.calls // 15), 0
+        args.rounds, args.quiet_wait = 1, 0
     from hvdtrain.bench.runner import Run, execute
 
-    jobs, inside = {}, {}  # inside: figures timed inside the NumPy exchange, per round
+    jobs, inside = {}, {}  # per job, round by round: ms per step; what was timed inside
+    logs = os.path.join(os.path.abspath(args.out), "logs")
     for r in range(args.rounds):
         order = JOBS if r % 2 == 0 else JOBS[::-1]
         for job, exchange, np_, backend in order:
             worker_args = ("--exchange", exchange, "--model", args.model, "--batch-size",
                            str(args.batch_size), "--calls", str(args.calls))  # fmt: skip
             run = Run(f"floor-{job}-r{r}", "floor", np_, backend, worker_args)
-            record = execute(run, os.path.join(args.out, "logs"), dict(os.environ), 600,
-                             lambda *_, **__: None, quiet_seconds=args.quiet_wait)  # fmt: skip
-            figures = [x["ms_per_step"] for x in record["results"] if x.get("kind") == "floor"]
-            if not record["ok"] or len(figures) != (2 if backend == "independent" else 1):
-                raise HvdtrainError(f"the floor's job {run.name} failed: see {record['log']}")
-            jobs.setdefault(job, []).append(statistics.mean(figures))
-            for x in record["results"]:
-                if x.get("numpy_exchange_ms") is not None:
-                    inside.setdefault(job, []).append(x["numpy_exchange_ms"])
-                if x.get("allreduce_4_bytes_together_us") is not None:
-                    inside.setdefault("together", []).append(x["allreduce_4_bytes_together_us"])
+            timeout = _timeout(args.model, args.batch_size, args.calls)
+            record = execute(run, logs, dict(os.environ), timeout, lambda *_, **__: None,
+                             quiet_seconds=args.quiet_wait)  # fmt: skip
+            results = [x for x in record["results"] if x.get("kind") == "floor"]
+            if not record["ok"] or len(results) != (2 if backend == "independent" else 1):
+                why = f"timed out after {timeout:.0f} s" if record["timed_out"] else "failed"
+                raise HvdtrainError(
+                    f"the floor's job {run.name} {why}: see {os.path.join(logs, run.name)}.log"
+                )
+            jobs.setdefault(job, []).append(statistics.mean(x["ms_per_step"] for x in results))
+            if results[0]["inside_ms"]:
+                inside.setdefault(job, []).append(results[0]["inside_ms"])
             print(f"round {r + 1}: {job} {jobs[job][-1]:.2f} ms per step", file=sys.stderr)
-    ms = {job: statistics.median(values) for job, values in jobs.items()}
-    ms = {job: ms[job] for job, *_ in JOBS}
-    parts = decompose(ms, {key: statistics.median(values) for key, values in inside.items()})
-    report = markdown(ms, parts)
-    report += "\nRound by round (ms per step; inside: ms in the exchange, together: µs):\n\n"
-    listed = [*jobs.items(), *((f"inside {key}", values) for key, values in inside.items())]
-    report += "".join(
-        f"- {key}: {', '.join(f'{v:.3g}' for v in values)}\n" for key, values in listed
-    )
+    ms = {job: statistics.median(jobs[job]) for job, *_ in JOBS}
+    parts = decompose(ms, _inside(inside))
+    report = markdown(ms, parts) + "\nRound by round, ms per step:\n\n"
+    report += "".join(f"- {job}: {', '.join(f'{v:.3g}' for v in values)}\n"
+                      for job, values in jobs.items())  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "floor.json"), "w") as f:
         json.dump({"model": args.model, "batch_size": args.batch_size, "rounds": jobs,
-                   "inside": inside, "ms_per_step": ms, **parts},
+                   "inside_rounds": inside, "ms_per_step": ms, **parts},
                   f, indent=1)  # fmt: skip
     with open(os.path.join(args.out, "floor.md"), "w") as f:
         f.write(report)
