@@ -31,6 +31,9 @@ size; the allreduce sweep; the projection) and `logs/` (each job's output). Prog
 stderr as each figure arrives. Before each job it waits (`--quiet-wait`, bounded) until
 other processes leave the cores idle, and records what it saw.
 
+`python -m hvdtrain.bench.floor` is the benchmark's companion: a lower bound on what lock
+step costs on this machine, whatever software exchanges the gradient (`hvdtrain.bench.floor`).
+
 The launcher side never imports TensorFlow; the workers (`hvdtrain.bench.workers`,
-`hvdtrain.bench.allreduce`) run in the launched processes.
+`hvdtrain.bench.allreduce`, `hvdtrain.bench.floor --exchange`) run in the launched processes.
 """
