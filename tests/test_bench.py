@@ -14,13 +14,10 @@ from hvdtrain.errors import HvdtrainError
 BENCH_TIMEOUT = 540  # a hang fails; a loaded machine took more than 300 s (pytest: 600)
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+def _run_quick(module, out, *extra):
+    """`python -m module --quick --out out ...` to the end; it must succeed."""
     proc = subprocess.run(
-        # --compare-python: this same environment stands in for another stack here
-        [sys.executable, "-m", "hvdtrain.bench", "--quick", "--out", str(out)]
-        + ["--compare-python", sys.executable],
+        [sys.executable, "-m", module, "--quick", "--out", str(out), *extra],
         env=job_env(),
         capture_output=True,
         text=True,
@@ -28,7 +25,14 @@ def quick(tmp_path_factory):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return out, proc
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    # --compare-python: this same environment stands in for another stack here
+    return out, _run_quick("hvdtrain.bench", out, "--compare-python", sys.executable)
 
 
 @pytest.mark.slow
@@ -486,15 +490,7 @@ def test_floor_bounds_the_step_by_the_wait_and_the_transfer():
 
 @pytest.mark.slow
 def test_floor_quick_run_times_every_job(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "hvdtrain.bench.floor", "--quick", "--out", str(tmp_path)],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = _run_quick("hvdtrain.bench.floor", tmp_path)
     data = json.loads((tmp_path / "floor.json").read_text())
     assert list(data["ms_per_step"]) == ["alone", "side-by-side", "copy", "sync", "mpi", "horovod"]
     assert all(v > 0 for v in data["ms_per_step"].values())
