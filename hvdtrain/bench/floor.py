@@ -41,15 +41,16 @@ import statistics
 import sys
 import time
 
+from hvdtrain.bench.runner import INDEPENDENT, Run, execute
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 
 __all__ = ["main", "JOBS", "decompose", "markdown"]
 
-# (job, exchange, processes, backend); backend None: one process, "independent": unconnected.
+# (job, exchange, processes, backend); backend None: one process, INDEPENDENT: unconnected.
 JOBS = (
     ("alone", "none", 1, None),
-    ("side-by-side", "none", 2, "independent"),
+    ("side-by-side", "none", 2, INDEPENDENT),
     ("copy", "copy", 2, "mpi"),
     ("sync", "sync", 2, "mpi"),
     ("mpi", "mpi", 2, "mpi"),
@@ -287,8 +288,6 @@ def _run(argv):
         return _worker(args.exchange, args.model, args.batch_size, args.calls)
     if args.quick:
         args.rounds, args.quiet_wait = 1, 0
-    from hvdtrain.bench.runner import Run, execute
-
     jobs, inside = {}, {}  # per job, round by round: ms per step; what was timed inside
     logs = os.path.join(os.path.abspath(args.out), "logs")
     for r in range(args.rounds):
@@ -301,7 +300,7 @@ def _run(argv):
             record = execute(run, logs, dict(os.environ), timeout, lambda *_, **__: None,
                              quiet_seconds=args.quiet_wait)  # fmt: skip
             results = [x for x in record["results"] if x.get("kind") == "floor"]
-            if not record["ok"] or len(results) != (2 if backend == "independent" else 1):
+            if not record["ok"] or len(results) != (2 if backend == INDEPENDENT else 1):
                 why = f"timed out after {timeout:.0f} s" if record["timed_out"] else "failed"
                 raise HvdtrainError(
                     f"the floor's job {run.name} {why}: see {os.path.join(logs, run.name)}.log"
