@@ -88,6 +88,11 @@ _EXPORTS = {
     "ThroughputCallback": "callbacks",
     "Watchdog": "watchdog",
     "WatchdogCallback": "watchdog",
+    "rank0_only": "usercallbacks",
+    # ranks that drift apart
+    "RanksDisagree": "agreement",
+    "check_weights_agree": "agreement",
+    "WeightsAgreeCallback": "agreement",
     # files
     "CheckpointManager": "checkpoint",
     "Manifest": "checkpoint",

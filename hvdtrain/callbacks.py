@@ -38,6 +38,9 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         start_step: the global step training starts from (after a resume).
         history: the metrics of the epochs before `start_step` (the resumed manifest's
             `history`); each epoch's are added, and every checkpoint holds them all.
+        extra: `() -> dict` for the manifest's `extra`, called at each save.
+        check: `() -> None`, called on every rank before a mid-epoch save (a collective;
+            `hvdtrain.check_weights_agree`); an epoch's end is checked before this runs.
     """
 
     def __init__(
@@ -48,8 +51,11 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         every_steps=0,
         start_step=0,
         history=None,
+        extra=None,
+        check=None,
     ):
         super().__init__()
+        self.extra, self.check = extra, check
         if every_steps and not steps_per_epoch:
             raise invalid_value("steps_per_epoch", steps_per_epoch, "steps with every_steps")
         self.history = {k: list(v) for k, v in (history or {}).items()}
@@ -79,9 +85,13 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
 
             waiting("averaging BatchNorm statistics before a checkpoint, with the other ranks")
             average_model_state(self.model)
+            if self.check is not None:
+                self.check()
             if hvd.rank() == 0:
                 epoch = self.global_step // self.steps_per_epoch
-                path = self.manager.save(epoch, step=step, history=self.history, **self.fields)
+                path = self.manager.save(
+                    epoch, self._extra(), step=step, history=self.history, **self.fields
+                )
                 log.info("saved checkpoint %s (epoch %d, step %d)", path, epoch + 1, step)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -92,8 +102,13 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             self.history.setdefault(k, []).append(v)
         if hvd.rank() != 0:
             return
-        path = self.manager.save(epoch + 1, logs=logs, history=self.history, **self.fields)
+        path = self.manager.save(
+            epoch + 1, self._extra(), logs=logs, history=self.history, **self.fields
+        )
         log.info("saved checkpoint %s (epoch %d)", path, epoch + 1)
+
+    def _extra(self):
+        return self.extra() if self.extra is not None else None
 
 
 class DivergenceCallback(tf.keras.callbacks.Callback):
@@ -114,10 +129,18 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
     # (targets of 1e10, a bias of 1e10, are far below it).
     WEIGHT_LIMIT = 1e19
 
-    def __init__(self, steps_per_epoch, lr=None):
+    def __init__(self, steps_per_epoch, lr=None, start_step=0):
         super().__init__()
         self.steps_per_epoch, self.lr = steps_per_epoch, lr
+        self.start_step = start_step
         self._probe = None
+        self._first = self._offset = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # `fit` numbers batches from where it started: mid-epoch after a resume. (The step is
+        # counted here: a model's own `optimizer` may be one its train_step never uses.)
+        self._first = epoch * self.steps_per_epoch
+        self._offset = max(0, self.start_step - self._first)
 
     def on_train_begin(self, logs=None):
         variables = self.model.trainable_variables
@@ -128,8 +151,9 @@ class DivergenceCallback(tf.keras.callbacks.Callback):
             return
         values = np.abs(self._probe.numpy())
         if not (values <= self.WEIGHT_LIMIT).all():  # NaN compares False
-            # The optimizer's step is the global one, resumed runs included.
-            epoch, step = divmod(int(self.model.optimizer.iterations) - 1, self.steps_per_epoch)
+            # batch: the execution's last
+            done = min(self._offset + batch + 1, self.steps_per_epoch)
+            epoch, step = divmod(self._first + done - 1, self.steps_per_epoch)
             what = (
                 f"blew up (up to {values.max():.3g} in magnitude, beyond {self.WEIGHT_LIMIT:g}: "
                 "float32 overflows on its square)"

@@ -170,7 +170,9 @@ class CheckpointManager:
         directory: where checkpoints live (created if missing).
         model: the Keras model.
         optimizer: its optimizer (slots must exist before `restore`; see
-            `hvdtrain.broadcast_initial_state`).
+            `hvdtrain.broadcast_initial_state`), or a dict of its optimizers by name (a
+            GAN's `{"optimizer": ..., "d_optimizer": ..., "g_optimizer": ...}`: the first is
+            saved as `optimizer`, the others under their names).
         keep: how many complete checkpoints to keep.
     """
 
@@ -307,7 +309,12 @@ class CheckpointManager:
         from hvdtrain.frontends import for_model
 
         extras = for_model(self.model).checkpoint_extras(self.model)
-        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **extras)
+        optimizers = self.optimizer
+        if isinstance(optimizers, dict):
+            first, *others = optimizers.items()
+            extras.update({"optimizer_" + re.sub(r"\W+", "_", k): v for k, v in others})
+            optimizers = first[1]
+        return tf.train.Checkpoint(model=self.model, optimizer=optimizers, **extras)
 
     # -- writing ------------------------------------------------------------------------
     def save(self, epoch, extra=None, step=0, **fields):

@@ -18,6 +18,7 @@ with `make_dataset(rank, size, seed, epoch)` returning the rank's samples for on
 """
 
 import dataclasses
+import functools
 import os
 import socket
 
@@ -37,6 +38,8 @@ __all__ = [
     "DatasetData",
     "as_data",
     "chain",
+    "pack",
+    "num_samples",
 ]
 
 
@@ -74,9 +77,24 @@ def steps_per_epoch(num_samples, batch_size, size):
 
 
 def train_dataset(
-    x, y, batch_size, rank, size, seed=0, shuffle=True, map_fn=None, start_step=0, steps=None
+    x,
+    y,
+    batch_size,
+    rank,
+    size,
+    seed=0,
+    shuffle=True,
+    map_fn=None,
+    start_step=0,
+    steps=None,
+    sample_weight=None,
 ):
     """An endless, per-rank training dataset of arrays; run it for `steps` per epoch.
+
+    `x`, `y` and `sample_weight` are what Keras's `fit` takes: arrays, or dicts, tuples or
+    lists of them (a model's named inputs or outputs), sharded and shuffled together; `y`
+    None for a model that trains on its inputs alone (an autoencoder's `fit(x)`). Batches
+    are `(x, y)`, `(x, y, sample_weight)`, or `x` alone, as Keras makes them.
 
     The batch of global step g is a pure function of (seed, rank, g): epoch e = g // steps
     takes the positions of step g % steps in a permutation of this rank's shard that
@@ -86,9 +104,12 @@ def train_dataset(
     Shard -> per-epoch permutation -> batch (gathered from memory) -> `map_fn` per sample
     (decoding, augmentation; parallel, order kept) -> prefetch.
     """
-    idx = shard_indices(len(x), rank, size)
-    steps = steps or steps_per_epoch(len(x), batch_size, size)
-    xs, ys = tf.constant(x[idx]), tf.constant(y[idx])
+    n = num_samples(x, "x")
+    idx = shard_indices(n, rank, size)
+    steps = steps or steps_per_epoch(n, batch_size, size)
+    arrays = tf.nest.map_structure(
+        lambda a: tf.constant(np.asarray(a)[idx]), pack(x, y, sample_weight)
+    )
     last = tf.constant(len(idx) - 1, tf.int64)
 
     def batch_of(step):
@@ -96,7 +117,7 @@ def train_dataset(
         if shuffle:
             epoch_seed = tf.stack([tf.constant(seed, tf.int64), step // steps])
             positions = tf.random.experimental.index_shuffle(positions, epoch_seed, last)
-        return tf.gather(xs, positions), tf.gather(ys, positions)
+        return tf.nest.map_structure(lambda t: tf.gather(t, positions), arrays)
 
     ds = tf.data.Dataset.range(start_step, 2**62).map(batch_of)
     if map_fn is not None:
@@ -105,17 +126,57 @@ def train_dataset(
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def eval_dataset(x, y, batch_size, rank, size, map_fn=None):
-    """This rank's shard of an evaluation set, each sample once (the last batch may be short).
+def eval_dataset(x, y, batch_size, rank, size, map_fn=None, sample_weight=None):
+    """This rank's shard of an evaluation set, each sample once (the last batch may be short);
+    `x`, `y` and `sample_weight` as `train_dataset` takes them.
 
     Shards differ in size, so ranks may run different numbers of batches: evaluation
     must not use collectives per batch (see `hvdtrain.metrics.evaluate`).
     """
-    idx = shard_indices(len(x), rank, size)
-    ds = tf.data.Dataset.from_tensor_slices((x[idx], y[idx]))
+    idx = shard_indices(num_samples(x, "x"), rank, size)
+    sharded = tf.nest.map_structure(lambda a: np.asarray(a)[idx], pack(x, y, sample_weight))
+    ds = tf.data.Dataset.from_tensor_slices(sharded)
     if map_fn is not None:
         ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def pack(x, y=None, sample_weight=None):
+    """A sample as Keras's `fit` gives it to `train_step`: `(x, y)`, `(x, y, sample_weight)`,
+    or `x` alone (a tuple or list `x` as `(x,)`)."""
+    if y is None and sample_weight is None:
+        return (x,) if isinstance(x, tuple | list) else x
+    return (x, y) if sample_weight is None else (x, y, sample_weight)
+
+
+def num_samples(data, name):
+    """The number of samples in `data` (an array, or a dict, tuple or list of arrays: each must
+    hold as many; a mismatch names the key)."""
+    leaves = _leaves(data, name)
+    if not leaves:
+        raise invalid_value(name, data, "arrays, or a dict, tuple or list of arrays")
+    where, first = leaves[0]
+    n = len(first)
+    for path, array in leaves[1:]:
+        if len(array) != n:
+            raise invalid_value(path, f"{len(array)} samples", f"{n}, as many as {where}")
+    return n
+
+
+def _leaves(data, name):
+    """[(path, array)] of a structure of arrays, `name` and its keys in the paths."""
+    if isinstance(data, dict):
+        return [leaf for k, v in data.items() for leaf in _leaves(v, f"{name}[{k!r}]")]
+    if isinstance(data, tuple | list) and not _array_like(data):
+        return [leaf for i, v in enumerate(data) for leaf in _leaves(v, f"{name}[{i}]")]
+    if not hasattr(data, "__len__"):
+        raise invalid_value(name, type(data).__name__, "an array of samples")
+    return [(name, data)]
+
+
+def _array_like(data):
+    """A list or tuple of numbers or strings (samples), not of arrays (inputs)."""
+    return not any(hasattr(v, "__len__") and not isinstance(v, str | bytes) for v in data)
 
 
 def chain(datasets):
@@ -194,44 +255,72 @@ class Data:
 class ArrayData(Data):
     """Samples in memory (numpy arrays): each rank takes every N-th one.
 
+    `x`, `y` and `sample_weight` take what Keras's `fit` takes: arrays, or dicts, tuples or
+    lists of arrays (named inputs or outputs), sharded and shuffled together; `y` may be
+    None (a model that trains on its inputs: `fit(x)`).
+
     Args:
         x: training inputs (it may hold file paths that `train_map` reads).
-        y: training labels.
-        test: (x, y) held out for evaluation, or None.
+        y: training labels (targets), or None.
+        test: (x, y) or (x, y, sample_weight) held out for evaluation, or None.
         train_map: a per-sample `(x, y) -> (x, y)` function applied after sharding
             (decoding, augmentation, normalisation); None for arrays ready to use.
         eval_map: the same for the test data.
         source: a short name of where the data came from; notice: one line saying so.
+        sample_weight: a weight per training sample (or a dict of them per output), or None.
     """
 
     def __init__(
-        self, x, y, test=None, train_map=None, eval_map=None, source="arrays", notice=None
+        self,
+        x,
+        y=None,
+        test=None,
+        train_map=None,
+        eval_map=None,
+        source="arrays",
+        notice=None,
+        sample_weight=None,
     ):
-        if len(x) != len(y):
-            raise invalid_value("y", f"{len(y)} labels", f"one per sample ({len(x)})")
-        self.x, self.y, self.test = x, y, test
+        n = num_samples(x, "x")
+        for name, part in (("y", y), ("sample_weight", sample_weight)):
+            if part is not None and num_samples(part, name) != n:
+                raise invalid_value(
+                    name, f"{num_samples(part, name)} samples", f"one per sample of x ({n})"
+                )
+        if test is not None:
+            if not isinstance(test, tuple | list) or not 1 <= len(test) <= 3:
+                raise invalid_value("test", type(test).__name__, "(x, y) or (x, y, sample_weight)")
+            m = num_samples(test[0], "test x")
+            for name, part in zip(("test y", "test sample_weight"), test[1:], strict=False):
+                if part is not None and num_samples(part, name) != m:
+                    raise invalid_value(
+                        name, f"{num_samples(part, name)} samples", f"one per test sample ({m})"
+                    )
+        self.x, self.y, self.test, self.sample_weight = x, y, test, sample_weight
         self.train_map, self.eval_map = train_map, eval_map
         self.source, self.notice = source, notice or source
 
     def limit(self, n):
         """The first `n` training samples only."""
+        first = functools.partial(tf.nest.map_structure, lambda a: a[:n])
         return ArrayData(
-            self.x[:n],
-            self.y[:n],
+            first(self.x),
+            None if self.y is None else first(self.y),
             self.test,
             self.train_map,
             self.eval_map,
             self.source,
             self.notice,
+            None if self.sample_weight is None else first(self.sample_weight),
         )
 
     def describe(self):
-        tested = f", {len(self.test[0])} test" if self.test is not None else ""
-        return f"{self.notice}; {len(self.x)} train{tested} samples"
+        tested = f", {num_samples(self.test[0], 'test x')} test" if self.test is not None else ""
+        return f"{self.notice}; {self.num_samples} train{tested} samples"
 
     @property
     def num_samples(self):
-        return len(self.x)
+        return num_samples(self.x, "x")
 
     def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
         p = placement
@@ -245,6 +334,7 @@ class ArrayData(Data):
             map_fn=self.train_map,
             start_step=start_step,
             steps=steps,
+            sample_weight=self.sample_weight,
         )
 
     @property
@@ -254,8 +344,9 @@ class ArrayData(Data):
     def eval_dataset(self, batch_size, placement):
         if self.test is None:
             return None
-        x, y = self.test
-        return eval_dataset(x, y, batch_size, placement.rank, placement.size, self.eval_map)
+        x, y, weight = (*self.test, None, None)[:3]
+        p = placement
+        return eval_dataset(x, y, batch_size, p.rank, p.size, self.eval_map, sample_weight=weight)
 
 
 class DatasetData(Data):

@@ -404,7 +404,7 @@ def run(recipe):
     recipe.setup()
     state = ModelState(
         recipe.model,
-        recipe.opt,
+        recipe.optimizers.by_name,
         epoch=0,
         batch=0,
         global_batch=0,

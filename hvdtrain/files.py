@@ -66,9 +66,12 @@ def export_model(model, build_fn, path, policy=None):
 
     The copy has no Horovod optimizer, so `tf.keras.models.load_model(path)` works without
     Horovod installed; it is built in float32 when `model` was trained under the mixed
-    precision `policy`. The format follows the suffix, as Keras' `save`: `.keras` (Keras'
-    zip), `.h5` (HDF5), no suffix (a SavedModel folder). Written beside `path` first, then
-    renamed; missing parent folders are made.
+    precision `policy`. A model of a class of your own (one that customizes `fit`: a GAN, a
+    VAE) is saved as its weights, `<path without suffix>.weights.h5`, which
+    `build_model().load_weights(path)` loads (the path written is returned). The format
+    follows the suffix, as Keras' `save`: `.keras` (Keras' zip), `.h5` (HDF5), no suffix (a
+    SavedModel folder). Written beside `path` first, then renamed; missing parent folders
+    are made.
     """
     from hvdtrain.errors import env_rank
 
@@ -92,13 +95,19 @@ def export_model(model, build_fn, path, policy=None):
     else:
         plain = build_fn()
     plain.set_weights(model.get_weights())
+    save = plain.save
+    if type(plain).__module__.partition(".")[0] not in ("keras", "tf_keras"):
+        # A model class of the user's own (a GAN, a VAE): Keras loads it whole only with its
+        # class and a get_config; its weights load into build_model() with load_weights.
+        path, save = os.path.splitext(path)[0] + ".weights.h5", plain.save_weights
+        plain.built = True  # its layers are; a model that trains itself is never called whole
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
-    suffix = next((s for s in (".keras", ".h5", ".hdf5") if name.endswith(s)), "")
+    suffix = next((s for s in (".weights.h5", ".keras", ".h5", ".hdf5") if name.endswith(s)), "")
     tmp = os.path.join(folder, f".{name}.export-{os.getpid()}{suffix}")
     try:
-        plain.save(tmp)
+        save(tmp)
         if not suffix and os.path.isdir(path):  # a SavedModel folder: replace the old one
             old = f"{tmp}.old"
             os.replace(path, old)

@@ -75,6 +75,17 @@ def global_results(model):
     return results
 
 
+def _scalar(value):
+    """A log's value as a float, or None for what is not one number."""
+    try:
+        value = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if value.ndim or value.dtype.kind not in "fiub":
+        return None
+    return float(value)
+
+
 def _number(value):
     value = np.asarray(value)
     return float(value) if value.ndim == 0 else value.tolist()
@@ -160,9 +171,20 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        for name, value in global_results(self.model).items():
+        results = global_results(self.model)
+        for name, value in results.items():
             if name in logs and name != "samples":
                 logs[name] = value
+        # What a train_step of the model's own returns besides its metrics (a GAN's losses as
+        # tensors: the epoch's last batch's): their mean over the ranks, for every rank alike.
+        others = {k: _scalar(v) for k, v in logs.items() if k not in results}
+        others = {k: v for k, v in others.items() if v is not None}
+        if others and hvd.size() > 1:
+            gathered = hvd.allgather_object(others, name="hvdtrain.other_logs")
+            for k in others:
+                values = [g[k] for g in gathered if k in g]
+                if len(values) == len(gathered):
+                    logs[k] = float(np.mean(values))
         if self.evaluate_fn is not None:
             result = self.evaluate_fn()
             logs.update({f"val_{k}": v for k, v in result.items() if k != "samples"})

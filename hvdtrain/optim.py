@@ -58,12 +58,34 @@ class WarmupMath:
         self.base_lr = base_lr
         self.size = int(size)
         self.warmup_steps = int(warmup_steps)
+        # The single-worker rate that callbacks read and set (ReduceLROnPlateau,
+        # LearningRateScheduler, see `single_worker`): a variable, so a change needs no new
+        # trace of the train step. Not tracked by Keras: hvdtrain checkpoints it itself.
+        self.rate = None
+        if isinstance(base_lr, float):
+            with tf.init_scope():
+                self.rate = tf.Variable(base_lr, dtype=tf.float32, trainable=False)
+
+    def single_worker(self, step):
+        """The single-worker rate at `step`: the variable callbacks set (a number), or the
+        base schedule's value."""
+        if self.rate is not None:
+            return self.rate
+        return tf.cast(self.base_lr(step), tf.float32)
+
+    def set_single_worker(self, value):
+        """Sets the single-worker rate (what a callback sets on one device); the applied rate
+        stays that x ranks after the warmup. As Keras, refused for a base schedule."""
+        if self.rate is None:
+            raise TypeError(
+                "This optimizer was created with a `LearningRateSchedule` object as its "
+                "`learning_rate` constructor argument, hence its learning rate is not settable."
+            )
+        self.rate.assign(float(value))
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
-        base = self.base_lr
-        if not isinstance(base, float):
-            base = tf.cast(base(step), tf.float32)
+        base = self.single_worker(step)
         if self.warmup_steps <= 0:
             return base * float(self.size)
         progress = tf.minimum(1.0, step / float(self.warmup_steps))
@@ -71,6 +93,8 @@ class WarmupMath:
 
     def get_config(self):
         base = self.base_lr
+        if self.rate is not None and tf.executing_eagerly():  # as a callback last set it
+            base = float(self.rate.numpy())
         if not isinstance(base, float):  # the two Keras serialize alike: name which one
             package = type(base).__module__.partition(".")[0]
             base = {**_schedules_of(base).serialize(base), "keras": package}
@@ -120,6 +144,50 @@ class WarmupSchedule(WarmupMath, tf.keras.optimizers.schedules.LearningRateSched
         if cls is WarmupSchedule and compat.keras3_imported():  # Keras 3 is in this process
             from hvdtrain.frontends.keras3 import WarmupSchedule as cls
         return super().__new__(cls)
+
+
+def single_worker_lr(keras_property):
+    """The `learning_rate` (and `lr`) property of a distributed optimizer class over a
+    `WarmupSchedule`: what a callback reads and sets is the single-worker rate (as on one
+    device: `ReduceLROnPlateau` halves it, `LearningRateScheduler` sets it), and the rate
+    applied stays that x ranks after the warmup. Inside the optimizer's own update (`apply`
+    sets `_hvdtrain_applying`) it is Keras's property: the rate applied. `keras_property` is
+    the class's own."""
+
+    def get(self):
+        schedule = getattr(self, "_learning_rate", None)
+        if self._hvdtrain_applying or not isinstance(schedule, WarmupMath):
+            return keras_property.fget(self)
+        return schedule.single_worker(self.iterations)
+
+    def set(self, value):
+        schedule = getattr(self, "_learning_rate", None)
+        if not isinstance(schedule, WarmupMath) or _schedules_of(value) is not None:
+            keras_property.fset(self, value)
+        else:
+            schedule.set_single_worker(value)
+
+    return property(get, set, doc="The single-worker learning rate (x ranks when applied).")
+
+
+def class_attribute(cls, name):
+    """`name` as `cls` defines it or inherits it (a property itself, not its value)."""
+    return next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
+
+
+def applying(apply):
+    """`apply` (an optimizer method that updates the variables) marked as the optimizer's own
+    update, where `learning_rate` is the rate applied (`single_worker_lr`)."""
+
+    def method(self, *args, **kwargs):
+        self._hvdtrain_applying = True
+        try:
+            return apply(self, *args, **kwargs)
+        finally:
+            self._hvdtrain_applying = False
+
+    method.__name__ = getattr(apply, "__name__", "apply")
+    return method
 
 
 def rescale_schedule(model, schedule, size, warmup_steps):
@@ -177,7 +245,52 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     if backward_passes_per_step > 1:
         kwargs["backward_passes_per_step"] = backward_passes_per_step
         kwargs.setdefault("average_aggregated_gradients", True)
-    return hvd_keras.DistributedOptimizer(optimizer, **kwargs)
+    return _averaging_where_applied(hvd_keras.DistributedOptimizer(optimizer, **kwargs))
+
+
+def _averaging_where_applied(made):
+    """Horovod's Keras 2 optimizer `made`, averaging the gradients also where they are only
+    applied.
+
+    Horovod's averages them in `compute_gradients`, which Keras's own `train_step` calls
+    (`minimize`); a `train_step` of the user's own (`tape.gradient`, then
+    `optimizer.apply_gradients`, as the Keras guides write GANs and VAEs) never calls it, and
+    each rank applied its own gradients: the ranks drifted apart, silently. Here
+    `apply_gradients` averages the gradients it is given unless `compute_gradients` did in
+    the same step (`_hvdtrain_reduced`, set while the step is traced or run). Its class is
+    Horovod's with those methods and `learning_rate` (`single_worker_lr`) replaced, made from
+    the same namespace as Horovod makes it: a subclass would recurse, Horovod's methods
+    calling `super(self.__class__, self)`."""
+    horovod = type(made)
+    namespace = dict(horovod.__dict__)
+    reduce, apply = namespace["_allreduce"], namespace["apply_gradients"]
+
+    def _allreduce(self, grads, variables):
+        self._hvdtrain_reduced = True
+        return reduce(self, grads, variables)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        try:
+            if not self._hvdtrain_reduced:
+                pairs = list(grads_and_vars)
+                variables = [v for _, v in pairs]
+                grads = self._allreduce([g for g, _ in pairs], variables)
+                grads_and_vars = list(zip(grads, variables, strict=True))
+            return apply(self, grads_and_vars, *args, **kwargs)
+        finally:
+            self._hvdtrain_reduced = False
+
+    namespace.update(
+        _allreduce=_allreduce,
+        apply_gradients=applying(apply_gradients),
+        _hvdtrain_reduced=False,
+        _hvdtrain_applying=False,
+    )
+    keras_lr = class_attribute(horovod, "learning_rate")
+    if isinstance(keras_lr, property):  # (legacy optimizers keep theirs)
+        namespace["learning_rate"] = single_worker_lr(keras_lr)
+    object.__setattr__(made, "__class__", type(horovod.__name__, horovod.__bases__, namespace))
+    return made
 
 
 def fp16_compression():
@@ -191,10 +304,12 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
     Unlike Horovod's `BroadcastGlobalVariablesCallback`, which broadcasts after the first
     batch, this runs before any step: the optimizer's slots are created first, so a state
     restored from a checkpoint on rank 0 reaches every rank, and the first update already
-    starts from identical weights.
+    starts from identical weights. `optimizer` may be a list or a dict of them (a GAN's
+    two); their slots are made for all the model's trainable variables if they have none.
     """
-    if optimizer is not None:
-        optimizer.build(model.trainable_variables)
+    for opt in _each(optimizer):
+        if not _is_built(opt):
+            opt.build(model.trainable_variables)
     _by_position(
         state_variables(model, optimizer),
         "hvdtrain.broadcast",
@@ -203,13 +318,38 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
 
 
 def state_variables(model, optimizer=None):
-    """The `tf.Variable`s of `model` and `optimizer` (built; a loss scale's too), in a fixed
-    order: what a rank must share with the others to train on as they do."""
+    """The `tf.Variable`s of `model` and `optimizer` (built; a loss scale's too; a list or a
+    dict of optimizers), in a fixed order: what a rank must share with the others to train
+    on as they do. A `WarmupSchedule`'s single-worker rate is among them (a callback may
+    have set it)."""
     variables = list(model.variables)
     frontend = frontends.owner(model)
-    if optimizer is not None:
-        variables += frontend.optimizer_variables(optimizer) if frontend else optimizer.variables
+    for opt in _each(optimizer):
+        variables += frontend.optimizer_variables(opt) if frontend else opt.variables
+        schedule = getattr(getattr(opt, "inner_optimizer", opt), "_learning_rate", None)
+        if isinstance(schedule, WarmupMath) and schedule.rate is not None:
+            variables.append(schedule.rate)
     return _tf_variables(variables)
+
+
+def _each(optimizers):
+    """The optimizers of None, one, a list or a dict of them, each once, in order."""
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, dict):
+        optimizers = list(optimizers.values())
+    elif not isinstance(optimizers, list | tuple):
+        optimizers = [optimizers]
+    seen, out = set(), []
+    for opt in optimizers:
+        if id(opt) not in seen:
+            seen.add(id(opt))
+            out.append(opt)
+    return out
+
+
+def _is_built(opt):
+    return bool(getattr(opt, "built", False) or getattr(opt, "_built", False))
 
 
 def average_model_state(model):

@@ -37,9 +37,23 @@ import os
 import sys
 import time
 
+import numpy as np
+
+from hvdtrain import (
+    agreement,
+    elastic,
+    files,
+    frontends,
+    metrics,
+    optim,
+    prepare,
+    runtime,
+    tuning,
+    usercallbacks,
+    watchdog,
+)
 from hvdtrain import callbacks as cb
 from hvdtrain import data as datamod
-from hvdtrain import elastic, files, frontends, metrics, optim, runtime, tuning, watchdog
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.errors import (
     HvdtrainError,
@@ -53,7 +67,7 @@ from hvdtrain.logs import get_logger
 __all__ = ["fit", "resume_step"]
 
 
-def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
+def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog=None, **options):
     """Trains `build_model()` on `data` on every rank of the job; returns the run's figures
     (the metrics JSON; rank 0 also writes it).
 
@@ -66,11 +80,16 @@ def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
             ((x, y), (x_test, y_test)), or a function returning one of those, called on
             every rank after `hvdtrain.init()` (it may use collectives).
         config: a `TrainConfig`, the namespace of `hvdtrain.ArgumentParser`, a dict or None.
-        callbacks: Keras callbacks of your own; they see the metrics of all ranks.
+        callbacks: Keras callbacks (Keras's own or yours), as Keras's `fit` takes them: those
+            that write run on rank 0 only, those that steer (EarlyStopping,
+            ReduceLROnPlateau, ...) act on every rank alike; they see the metrics of all
+            ranks (`hvdtrain.usercallbacks`).
+        class_weight: {class: weight}, as Keras's `fit` takes it.
         prog: the program's name in messages and the metrics JSON.
         **options: `TrainConfig` fields, over `config` (`epochs=5, checkpoint_dir="ckpt"`).
     """
     run = Run(make_config(config, **options), build_model, data, prog, list(callbacks))
+    run.class_weight = class_weight
     if run.cfg.elastic:
         return elastic.run(run)
     try:
@@ -78,10 +97,15 @@ def fit(build_model, data, config=None, *, callbacks=(), prog=None, **options):
         run.start()
         try:
             run.train()
+            result = run.evaluate()
+            ranks = run.check()
         except TrainingDiverged as e:
             run.write_metrics({**run.summary(), "status": "diverged", "error": str(e)})
             raise
-        return run.finish(run.evaluate())
+        except agreement.RanksDisagree as e:
+            run.write_metrics({**run.summary(), "status": "ranks_disagree", "error": str(e)})
+            raise
+        return run.finish(result, ranks)
     finally:
         if run.guard is not None:
             run.guard.stop()
@@ -115,6 +139,9 @@ class Run:
         self.history_before = {}  # the epochs before the resumed checkpoint
         self.data = self.steps = None
         self.guard = None  # the watchdog of the whole run (not elastic: see `setup`)
+        self.class_weight = None
+        self.user = None  # the user's callbacks, one training for all the run's fits
+        self.stopped = None  # the epoch after which a callback stopped training (0-based)
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
@@ -142,46 +169,25 @@ class Run:
         if k not in prepared:
             self._prepare(k)
             model = self._built()
-        compiled, user_opt = _compiled(model, k)
-        # XLA asked for, or chosen by Keras 3 itself ("auto" means XLA on a GPU).
-        xla = compiled.get("jit_compile") is True or getattr(model, "jit_compile", None) is True
-        if self.policy:  # outputs back to float32 for a stable loss
-            model = k.float32_outputs(model)
-        # Horovod: the single-worker LR (a number or a schedule) x ranks after a warmup; the
-        # warmup's length is set once the steps per epoch are known (`start`).
-        self.schedule = k.WarmupSchedule(cfg.lr or k.base_lr(user_opt), self.place.size, 0)
-        config = user_opt.get_config()
-        config["learning_rate"] = self.schedule
-        # Horovod: average gradients over the ranks before each update.
-        opt = k.distributed_optimizer(
-            type(user_opt).from_config(config),
-            compression=optim.fp16_compression() if cfg.fp16_allreduce else None,
-            backward_passes_per_step=cfg.accumulate,
-        )
-        opt.learning_rate = self.schedule  # Horovod rebuilt it with a copy: see rescale_schedule
-        if self.policy == "mixed_float16":
-            opt = k.loss_scale(opt)
-        if xla:
-            self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
+        k.compiled(model)  # Keras 3 given Keras 2's positional metrics: one line
+        xla = k.jit_compile(model)
+        if self.policy and _plain(model, k):  # outputs back to float32 for a stable loss
+            model = _float32_outputs(model, k)
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         self.spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
-        model.compile(
-            optimizer=opt,
-            loss=compiled["loss"],
-            metrics=compiled.get("metrics"),
-            loss_weights=compiled.get("loss_weights"),
-            weighted_metrics=compiled.get("weighted_metrics"),
-            run_eagerly=bool(compiled.get("run_eagerly")),
-            jit_compile=False,
-            steps_per_execution=self.spe,
-        )
-        # Slots exist before any broadcast or restore (also what an elastic state needs).
-        opt.build(model.trainable_variables)
-        self.model, self.opt = model, opt
+        # Horovod: every optimizer the model holds averages its gradients over the ranks,
+        # with the LR x ranks after a warmup (`hvdtrain.prepare`); the model's own compile
+        # is not called again.
+        self.optimizers = prepare.distribute(model, k, cfg, self.place.size, self.policy)
+        k.configure(model, self.spe)
+        if xla:
+            self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
+        self.model, self.opt = model, self.optimizers.main
+        self.schedule = self.optimizers.main_schedule
         self.manager = None
         if cfg.checkpoint_dir:
             self.manager = CheckpointManager(
-                cfg.checkpoint_dir, model, opt, keep=cfg.keep_checkpoints
+                cfg.checkpoint_dir, model, self.optimizers.by_name, keep=cfg.keep_checkpoints
             )
 
     def _built(self):
@@ -229,12 +235,13 @@ class Run:
         self.global_batch = cfg.batch_size * p.size
         # Horovod: the LR scale and warmup follow the number of ranks.
         self.warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
-        optim.rescale_schedule(self.model, self.schedule, p.size, self.warmup_steps)
+        for schedule in self.optimizers.schedules.values():
+            optim.rescale_schedule(self.model, schedule, p.size, self.warmup_steps)
         if position is None:
             watchdog.holding("set-up: resuming from the newest checkpoint")
             self.start_step = self._resume(steps)
             # Horovod: start every rank from rank 0's weights and optimizer state.
-            optim.broadcast_initial_state(self.model, self.opt)
+            optim.broadcast_initial_state(self.model, list(self.optimizers))
         else:
             epoch, step, batch = position
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
@@ -288,6 +295,13 @@ class Run:
             k: list(v)[:done] for k, v in (saved.get("history") or {}).items() if list(v)[:done]
         }
         self.history_before = {k: list(v) for k, v in self.history.items()}
+        extra = saved.get("extra") or {}
+        if extra.get("stopped") and step % steps == 0:
+            self.stopped = step // steps - 1
+        for name, rate in (extra.get("single_worker_lr") or {}).items():
+            schedule = self.optimizers.schedules.get(name)
+            if schedule is not None and schedule.rate is not None:
+                schedule.set_single_worker(rate)  # what a callback set before the resume
         self.resumed = {
             "epoch": saved["epoch"],
             "step": saved["step"],
@@ -322,6 +336,11 @@ class Run:
         # A stuck rank ends the job: no hang.
         self.watchdog = watchdog.WatchdogCallback(watchdog=self.guard)
         self.throughput = cb.ThroughputCallback(self.global_batch, steps)
+        if self.user is None:  # one for the run: an elastic restart goes on with them
+            self.user = usercallbacks.UserCallbacks(self.user_callbacks, p.rank)
+        self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
+        rates = [s.rate for s in self.optimizers.schedules.values() if s.rate is not None]
+        self.steering = usercallbacks.AgreedSteering(rates, self.user.stops_in_epochs)
         out = [
             self.watchdog,
             # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
@@ -332,9 +351,13 @@ class Run:
             ),
             # Every rank stops together on NaN, infinite or blown-up weights or loss, before
             # any checkpoint.
-            cb.DivergenceCallback(steps, self.lr_base()),
+            cb.DivergenceCallback(steps, self.lr_base(), self.start_step),
+            # Every rank holds the same weights (first steps, epoch ends), or the run stops.
+            agreement.WeightsAgreeCallback(),
             self.throughput,
-            *self.user_callbacks,
+            # The user's callbacks (writers on rank 0), then their stop and LR on every rank.
+            self.user,
+            self.steering,
             *state_callbacks,
         ]
         if cfg.deterministic:
@@ -366,6 +389,10 @@ class Run:
                     cfg.checkpoint_every,
                     self.start_step,
                     history=self.history,
+                    extra=self._checkpoint_extra,
+                    check=lambda: agreement.check_weights_agree(
+                        self.model, "before a mid-epoch checkpoint"
+                    ),
                 )
             )
         if commit is not None:
@@ -419,6 +446,7 @@ class Run:
                     initial_epoch=first // steps,
                     steps_per_epoch=None if one_epoch else steps_this_epoch,
                     callbacks=callbacks,
+                    class_weight=self.class_weight,
                     shuffle=False,  # the dataset is shuffled
                     verbose=0,
                 )
@@ -427,20 +455,49 @@ class Run:
                 for k, vs in (done.history if done else {}).items():
                     self.history.setdefault(k, []).extend(float(v) for v in vs)
 
+        def stopped():
+            if self.steering.stopped is not None and self.stopped is None:
+                self.stopped = self.steering.stopped
+                self.log.info("training stopped by a callback after epoch %d", self.stopped + 1)
+            return self.stopped is not None
+
         try:
-            if start % steps and start // steps < cfg.epochs:  # finish the interrupted epoch
+            if self.stopped is not None:
+                self.log.info(
+                    "a callback stopped training after epoch %d (in the checkpoint); "
+                    "evaluating only",
+                    self.stopped + 1,
+                )
+            elif start % steps and start // steps < cfg.epochs:  # finish the interrupted epoch
                 fit_(start, start // steps + 1, steps - start % steps)
                 start = (start // steps + 1) * steps
-            if start // steps < cfg.epochs and not one_epoch:
+            if start // steps < cfg.epochs and not one_epoch and not stopped():
                 fit_(start, cfg.epochs, steps)
             for epoch in range(start // steps, cfg.epochs if one_epoch else 0):
+                if stopped():
+                    break
                 fit_(epoch * steps, epoch + 1, steps)
+            stopped()
             if start // steps >= cfg.epochs and not self.history:
                 self.log.info(
                     "already trained %d of %d epochs; evaluating only", start // steps, cfg.epochs
                 )
+            self.user.end()  # their on_train_end: EarlyStopping's best weights back
         except Exception as e:
             raise _explained(e, self.place.rank) from None
+
+    def _checkpoint_extra(self):
+        """What a checkpoint records of the callbacks' steering: a stop (at this epoch's
+        end), and the single-worker rates they set."""
+        changed = {
+            name: float(s.rate.numpy())
+            for name, s in self.optimizers.schedules.items()
+            if s.rate is not None and s.rate.numpy() != np.float32(s.base_lr)
+        }
+        out = {"single_worker_lr": changed} if changed else {}
+        if getattr(self.model, "stop_training", False):
+            out["stopped"] = True
+        return out
 
     def lr_base(self):
         """The single-worker learning rate (a number), or its schedule's name."""
@@ -463,6 +520,7 @@ class Run:
     def check(self):
         """Every rank's host, pid and weights digest; identical weights or an error."""
         watchdog.holding("comparing the weights of every rank", waiting=True)
+        agreement.check_weights_agree(self.model, "at the end of training")
         ranks = runtime.rank_report(self.model)
         if len({r["weights_digest"] for r in ranks}) != 1:
             raise HvdtrainError(
@@ -496,6 +554,18 @@ class Run:
             "lr_final": float(self.schedule(self.opt.iterations)),
             "warmup_steps": self.warmup_steps,
             "optimizer_iterations": int(self.opt.iterations),
+            "optimizers": {
+                name: {
+                    "class": self.optimizers.classes[name],
+                    "iterations": int(opt.iterations),
+                    "lr_single_worker": float(
+                        self.optimizers.schedules[name].single_worker(opt.iterations)
+                    ),
+                    "lr_final": float(self.optimizers.schedules[name](opt.iterations)),
+                }
+                for name, opt in self.optimizers.by_name.items()
+            },
+            "stopped_early": None if self.stopped is None else self.stopped + 1,
             "data_source": self.data.source,
             "train_samples": self.data.num_samples,
             "train_samples_per_sec": rates.samples_per_sec if rates else None,
@@ -536,7 +606,7 @@ class Run:
                 out["exported_model"] = files.export_model(
                     self.model, self.build_model, path, self.policy
                 )
-                written.append(f"the model {path}")
+                written.append(f"the model {out['exported_model']}")
             except (OSError, ValueError, RuntimeError) as e:
                 failed.append(f"the model {path} ({_reason(e)})")
         try:
@@ -577,22 +647,28 @@ def _policy(choice):
     return f"mixed_{choice}"
 
 
-def _compiled(model, frontend):
-    """(compile arguments, optimizer) of the model `build_model` returned."""
+def _plain(model, frontend):
+    """A functional or Sequential model trained by Keras's own `train_step` and `compile`."""
+    base = frontend.keras.Model
+    own = type(model).compile is not base.compile or prepare.trains_itself(model, frontend)
+    return not own and bool(getattr(model, "outputs", None))
+
+
+def _float32_outputs(model, frontend):
+    """`model` (plain, compiled) with float32 outputs, compiled as it was."""
     config, opt = frontend.compiled(model)
-    if not config or opt is None or config.get("loss") is None:
-        raise invalid_value(
-            "build_model",
-            "a model that is not compiled (or has no loss)",
-            "a model compiled with its optimizer, loss and metrics: model.compile(...)",
-        )
-    if frontend.is_distributed(opt):
-        raise invalid_value(
-            "build_model",
-            f"a model compiled with {type(opt).__name__} (already distributed)",
-            "a plain Keras optimizer: hvdtrain.fit adds Horovod's wrapper",
-        )
-    return config, opt
+    if not config or opt is None or all(o.dtype == "float32" for o in model.outputs):
+        return model
+    wrapped = frontend.float32_outputs(model)
+    wrapped.compile(
+        optimizer=opt,
+        loss=config.get("loss"),
+        metrics=config.get("metrics"),
+        loss_weights=config.get("loss_weights"),
+        weighted_metrics=config.get("weighted_metrics"),
+        run_eagerly=bool(config.get("run_eagerly")),
+    )
+    return wrapped
 
 
 def _as_data(source, limit=None):

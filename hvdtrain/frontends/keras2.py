@@ -13,6 +13,13 @@ __all__ = [
     "owns",
     "check",
     "compiled",
+    "OPTIMIZER_TYPES",
+    "unwrapped",
+    "is_compiled",
+    "compiled_loss",
+    "has_added_losses",
+    "jit_compile",
+    "configure",
     "base_lr",
     "WarmupSchedule",
     "is_distributed",
@@ -53,6 +60,48 @@ def compiled(model):
     return config, opt
 
 
+# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them).
+OPTIMIZER_TYPES = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
+
+
+def unwrapped(opt):
+    """The optimizer inside a loss-scale one (Keras adds one under mixed_float16), else `opt`."""
+    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
+        return opt.inner_optimizer
+    return opt
+
+
+def is_compiled(model):
+    return bool(getattr(model, "_is_compiled", False))
+
+
+def compiled_loss(model):
+    """The loss given to `compile` (None without one)."""
+    config = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    return config.get("loss") or None
+
+
+def has_added_losses(model):
+    return bool(model.losses)
+
+
+def jit_compile(model):
+    """Whether the user asked for XLA."""
+    return getattr(model, "_jit_compile", None) is True
+
+
+def configure(model, steps_per_execution):
+    """What `compile(steps_per_execution=..., jit_compile=False)` sets, on a compiled model
+    (Horovod's allreduce cannot be XLA-compiled)."""
+    model._jit_compile = False
+    model._autotune_steps_per_execution = False
+    if getattr(model, "_steps_per_execution", None) is None:
+        model._configure_steps_per_execution(steps_per_execution)
+    else:
+        model._steps_per_execution.assign(steps_per_execution)
+    model._reset_compile_cache()
+
+
 def base_lr(opt):
     schedules = tf.keras.optimizers.schedules
     lr = getattr(opt, "_learning_rate", None)
@@ -65,11 +114,43 @@ def base_lr(opt):
 
 
 def loss_scale(optimizer):
-    # The loss scale wraps the distributed optimizer, whose allreduce (in `compute_gradients`)
-    # then carries the scaled gradients, non-finite ones included, so every rank takes the
-    # same skip-or-apply decision (Horovod #3807). The ranks must hold the same scale, so it
-    # is broadcast with the rest (`optimizer_variables`).
-    return tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    """Keras 2's dynamic loss scaling around the distributed `optimizer`, whose allreduce then
+    carries the scaled gradients, non-finite ones included, so every rank takes the same
+    skip-or-apply decision (Horovod #3807): in `compute_gradients` under Keras's own
+    `train_step`, and before the decision where a `train_step` of the user's own applies
+    its gradients (`_AgreedLossScale`). The ranks must hold the same scale, so it is
+    broadcast with the rest (`optimizer_variables`)."""
+    scaled = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    keras_class = type(scaled)
+    if keras_class not in _AGREED:
+        _AGREED[keras_class] = type(
+            "LossScaleOptimizer",
+            (keras_class,),
+            {
+                "apply_gradients": _agreed_apply_gradients,
+                "_keras_class": keras_class,
+                "__module__": __name__,
+            },
+        )
+    agreed = _AGREED[keras_class]
+    object.__setattr__(scaled, "__class__", agreed)
+    return scaled
+
+
+_AGREED = {}  # Keras's loss-scale class -> the subclass that averages before deciding
+
+
+def _agreed_apply_gradients(self, grads_and_vars, *args, **kwargs):
+    inner = self.inner_optimizer
+    try:
+        if getattr(inner, "_hvdtrain_reduced", True) is False:  # not averaged yet
+            pairs = list(grads_and_vars)
+            variables = [v for _, v in pairs]
+            grads = inner._allreduce([g for g, _ in pairs], variables)
+            grads_and_vars = list(zip(grads, variables, strict=True))
+        return self._keras_class.apply_gradients(self, grads_and_vars, *args, **kwargs)
+    finally:
+        inner._hvdtrain_reduced = False
 
 
 def optimizer_variables(opt):

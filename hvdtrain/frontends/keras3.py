@@ -22,6 +22,13 @@ __all__ = [
     "owns",
     "check",
     "compiled",
+    "OPTIMIZER_TYPES",
+    "unwrapped",
+    "is_compiled",
+    "compiled_loss",
+    "has_added_losses",
+    "jit_compile",
+    "configure",
     "base_lr",
     "WarmupSchedule",
     "is_distributed",
@@ -78,6 +85,50 @@ def compiled(model):
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         opt = opt.inner_optimizer  # Keras adds one under mixed_float16; fit puts its own around
     return config, opt
+
+
+# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them).
+OPTIMIZER_TYPES = (keras.optimizers.Optimizer,)
+
+
+def unwrapped(opt):
+    """The optimizer inside a loss-scale one (Keras adds one under mixed_float16), else `opt`."""
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        return opt.inner_optimizer
+    return opt
+
+
+def is_compiled(model):
+    return bool(getattr(model, "compiled", False))
+
+
+def compiled_loss(model):
+    """The loss given to `compile` (None without one)."""
+    return getattr(model, "loss", None) or None
+
+
+def has_added_losses(model):
+    """Whether a layer adds a loss (Keras 3 collects them as the model is called: a layer
+    whose `call` uses `add_loss` counts)."""
+    layers = [model, *model._flatten_layers(include_self=False)]
+    return bool(model.losses) or any(
+        "add_loss" in getattr(type(layer).call, "__code__", None).co_names
+        for layer in layers
+        if getattr(type(layer).call, "__code__", None) is not None
+    )
+
+
+def jit_compile(model):
+    """Whether XLA is asked for, or chosen by Keras 3 itself ("auto" means XLA on a GPU)."""
+    return getattr(model, "jit_compile", None) is True
+
+
+def configure(model, steps_per_execution):
+    """What `compile(steps_per_execution=..., jit_compile=False)` sets, on a compiled model
+    (Horovod's allreduce cannot be XLA-compiled)."""
+    model.jit_compile = False
+    model.steps_per_execution = steps_per_execution
+    model.train_function = model.test_function = model.predict_function = None
 
 
 def base_lr(opt):
@@ -166,10 +217,18 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
         last = tf.equal((self.iterations + 1) % passes, 0)
         return tf.cond(last, update, add)
 
+    keras_lr = optim.class_attribute(cls, "learning_rate")
     distributed = type(
         f"Distributed{cls.__name__}",
         (cls,),
-        {"apply": apply, "build": build, "_hvdtrain_distributed": True, "__module__": __name__},
+        {
+            "apply": optim.applying(apply),
+            "build": build,
+            "learning_rate": optim.single_worker_lr(keras_lr),
+            "_hvdtrain_applying": False,
+            "_hvdtrain_distributed": True,
+            "__module__": __name__,
+        },
     )
     return distributed.from_config(optimizer.get_config())
 

@@ -1,0 +1,200 @@
+"""A user's compiled model made ready to train on every rank: its optimizers found and each
+replaced by a distributed one, and the way it runs set (steps per execution, no XLA), without
+calling its `compile` again: a model's own `compile` (a GAN's `compile(d_optimizer,
+g_optimizer, loss_fn)`) takes arguments hvdtrain cannot know.
+
+Where the optimizers are looked for, on both Keras: the model's `optimizer` (what
+`compile(optimizer=...)` sets; Keras's `compile()` without one sets an RMSprop), and every
+attribute of the model that holds a Keras optimizer, directly or in a list, tuple or dict
+(`self.d_optimizer`, `self.optimizers = [...]`), as a model's own `compile` keeps them.
+Nothing else: an optimizer that a `train_step` reaches another way (a nested model's
+`optimizer`, a global, an object of its own) is not distributed, and the check that the
+ranks hold the same weights (`hvdtrain.agreement`) stops the run after its first steps.
+
+Each optimizer found is replaced, at each place it was found, by a copy (its class and
+config) that averages the gradients over the ranks wherever they are applied (Keras's
+`train_step`, or `apply_gradients` / `apply` in a `train_step` of the model's own), with its
+single-worker learning rate (its own, or `--lr` for every optimizer) x ranks after the
+warmup, its accumulation, float16 compression and, under `--mixed-precision float16`, loss
+scaling. Its slots are made for the model's trainable variables, so that its state can be
+broadcast and restored before the first step.
+
+Refused in one line, before training: a model that is not compiled; one with nothing to
+train on (no loss in `compile`, no `add_loss`, and Keras's own `train_step`); an optimizer
+already distributed (Horovod's `DistributedOptimizer`: hvdtrain adds its own).
+"""
+
+import dataclasses
+
+from hvdtrain import optim
+from hvdtrain.errors import invalid_value
+
+__all__ = ["Optimizers", "find_optimizers", "distribute", "trains_itself"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizers:
+    """The model's distributed optimizers: `by_name` maps where each was found ("optimizer",
+    "d_optimizer", "optimizers[1]") to it, `model.optimizer`'s first, each object once
+    (under the first name it was found by); `schedules` their `WarmupSchedule`s, by the
+    same names."""
+
+    by_name: dict
+    schedules: dict
+    classes: dict  # the user's optimizer class names, by the same names
+
+    @property
+    def main(self):
+        """The model's `optimizer` (Keras's own `train_step` uses it), else the first."""
+        return next(iter(self.by_name.values()))
+
+    @property
+    def main_schedule(self):
+        return next(iter(self.schedules.values()))
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def __len__(self):
+        return len(self.by_name)
+
+
+def find_optimizers(model, frontend):
+    """{where: optimizer} of every Keras optimizer the model holds where hvdtrain looks (see
+    the module), `model.optimizer` first; an object held at several places appears once per
+    place."""
+    found = {}
+
+    def look(where, value):
+        if isinstance(value, frontend.OPTIMIZER_TYPES):
+            found[where] = value
+
+    look(("optimizer",), getattr(model, "optimizer", None))
+    attributes = [(k, v) for k, v in vars(model).items() if k != "optimizer"]
+    for name, value in attributes:  # attributes first: they name an object found twice
+        look((name,), value)
+    for name, value in attributes:
+        if name.startswith("_self_"):  # TensorFlow's tracking of the attributes themselves
+            continue
+        if isinstance(value, dict):
+            for key, item in list(value.items()):
+                look((name, key), item)
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                look((name, i), item)
+    return found
+
+
+def describe(where):
+    """'d_optimizer', 'optimizers[1]', "opts['d']"."""
+    return where[0] if len(where) == 1 else f"{where[0]}[{where[1]!r}]"
+
+
+def trains_itself(model, frontend):
+    """True when the model's class has its own `train_step` (or, on Keras 3, `compute_loss`)."""
+    base = frontend.keras.Model
+    cls = type(model)
+    return any(
+        getattr(cls, name, None) is not getattr(base, name, None)
+        for name in ("train_step", "compute_loss")
+        if hasattr(base, name)
+    )
+
+
+def distribute(model, frontend, cfg, size, policy=None, log=None):
+    """Replaces each optimizer of `model` by its distributed copy (see the module); returns
+    the `Optimizers`. Also turns XLA off and sets the steps per execution (`cfg`'s, or the
+    default the recipe chose: `spe`)."""
+    _check_trainable(model, frontend)
+    found = find_optimizers(model, frontend)
+    places = {}  # id(optimizer) -> [where, ...]
+    objects = {}
+    for where, opt in found.items():
+        places.setdefault(id(opt), []).append(where)
+        objects[id(opt)] = opt
+    by_name, schedules, classes = {}, {}, {}
+    for key, wheres in places.items():
+        user = frontend.unwrapped(objects[key])
+        name = describe(wheres[0])
+        if frontend.is_distributed(user):
+            raise invalid_value(
+                f"build_model ({name})",
+                f"a model compiled with {type(user).__name__} (already distributed)",
+                "a plain Keras optimizer: hvdtrain.fit adds Horovod's wrapper",
+            )
+        # Horovod: the single-worker LR (a number or a schedule) x ranks after a warmup; the
+        # warmup's length is set once the steps per epoch are known (`Run.start`).
+        schedule = frontend.WarmupSchedule(cfg.lr or frontend.base_lr(user), size, 0)
+        config = user.get_config()
+        config["learning_rate"] = schedule
+        # Horovod: average gradients over the ranks before each update.
+        opt = frontend.distributed_optimizer(
+            type(user).from_config(config),
+            compression=optim.fp16_compression() if cfg.fp16_allreduce else None,
+            backward_passes_per_step=cfg.accumulate,
+        )
+        opt.learning_rate = schedule  # Horovod rebuilt it with a copy: see rescale_schedule
+        if policy == "mixed_float16":
+            opt = frontend.loss_scale(opt)
+        # Slots exist before any broadcast or restore (also what an elastic state needs).
+        opt.build(model.trainable_variables)
+        for where in wheres:
+            _put(model, where, opt)
+        by_name[name], schedules[name], classes[name] = opt, schedule, type(user).__name__
+    return Optimizers(by_name, schedules, classes)
+
+
+def _check_trainable(model, frontend):
+    """The one-line refusals of a model that has no way to train."""
+    if not frontend.is_compiled(model):
+        raise invalid_value(
+            "build_model",
+            "a model that is not compiled",
+            "a compiled model, as Keras's own fit needs: model.compile(optimizer=...) with "
+            "its loss and metrics, or your model's own compile(...), in build_model",
+        )
+    unbuilt = [layer for layer in model._flatten_layers(include_self=False) if not layer.built]
+    if not model.built and isinstance(model, frontend.keras.Sequential):
+        unbuilt.insert(0, model)
+    if unbuilt:
+        raise invalid_value(
+            "build_model",
+            f"a model whose layer {unbuilt[0].name!r} is not built (its weights would appear "
+            "at the first step, after every rank started from rank 0's)",
+            "every layer built in build_model: begin each Sequential with keras.Input(shape), "
+            "or call .build(input_shape)",
+        )
+    if not find_optimizers(model, frontend):
+        raise invalid_value(
+            "build_model",
+            "a model compiled without an optimizer",
+            "model.compile(optimizer=...), or optimizers kept as attributes of the model by "
+            "its own compile (self.d_optimizer = ...)",
+        )
+    if (
+        frontend.compiled_loss(model) is None
+        and not trains_itself(model, frontend)
+        and not frontend.has_added_losses(model)
+    ):
+        raise invalid_value(
+            "build_model",
+            "a model with nothing to train on (no loss in compile, no add_loss, and Keras's "
+            "own train_step)",
+            "model.compile(optimizer=..., loss=...), losses added with add_loss, or a "
+            "train_step of the model's own",
+        )
+
+
+def _put(model, where, value):
+    """Sets `value` at `where` (an attribute, or an item of one) of `model`."""
+    if len(where) == 1:
+        setattr(model, where[0], value)
+        return
+    name, key = where
+    holder = getattr(model, name)
+    if hasattr(holder, "_fields"):  # a namedtuple
+        setattr(model, name, holder._replace(**{holder._fields[key]: value}))
+    elif isinstance(holder, tuple):
+        setattr(model, name, tuple(value if i == key else v for i, v in enumerate(holder)))
+    else:
+        holder[key] = value
