@@ -21,15 +21,17 @@ flags::
     hvdtrain-run --elastic --min-np 1 --hostfile hosts.txt -- python train.py --elastic
 
 `fit` does, in order: `hvdtrain.init()` (GPU pinning, threads); `build_model()` (under the
-mixed-precision policy); its optimizer rebuilt with the learning rate x ranks after a warmup,
-wrapped by Horovod (fp16 allreduce, accumulation and loss scaling as asked) and the model
-compiled again with the same loss and metrics and several steps per execution; the data
+mixed-precision policy); each of its optimizers rebuilt with the learning rate x ranks after a
+warmup, wrapped by Horovod (fp16 allreduce, accumulation and loss scaling as asked) and put
+back where it was found, the model set to several steps per execution (`hvdtrain.prepare`:
+its `compile` is not called again); the data
 prepared on every rank (counted and agreed), sharded before shuffling, the same steps on
 every rank; resume on rank 0 from the newest valid checkpoint and a broadcast of weights and
 optimizer state; `fit` with the watchdog, averaged non-trainable state (BatchNorm), metrics
-of all ranks, progress, rank-0 checkpoints and TensorBoard; evaluation of the test set
-(the model's own loss and metrics, each sample once); a check that every rank holds the
-same weights; rank 0's export (`model.keras`) and metrics JSON. With `elastic` the same
+of all ranks, progress, rank-0 checkpoints and TensorBoard, the check that every rank holds
+the same weights (`hvdtrain.agreement`), the user's callbacks (`hvdtrain.usercallbacks`);
+evaluation of the test set (the model's own loss and metrics, each sample once); the same
+check at the end; rank 0's export (`model.keras`) and metrics JSON. With `elastic` the same
 under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 2.
 """
 
@@ -73,9 +75,11 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
 
     Args:
         build_model: `() -> model`, a Keras 2 (`tf.keras`) or Keras 3 (`import keras`,
-            TensorFlow backend) model compiled with its optimizer (whose learning rate is
-            the single-worker one unless `lr` says otherwise), loss and metrics. Called on
-            every rank; it must build the same model each time.
+            TensorFlow backend) model compiled as for one device: with its optimizer (whose
+            learning rate is the single-worker one unless `lr` says otherwise), loss and
+            metrics, or a model that customizes `fit` (a `train_step` of its own, a
+            `compile` of its own holding several optimizers: `hvdtrain.prepare` says where
+            they are found). Called on every rank; it must build the same model each time.
         data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`), (x, y) arrays,
             ((x, y), (x_test, y_test)), or a function returning one of those, called on
             every rank after `hvdtrain.init()` (it may use collectives).
@@ -562,6 +566,7 @@ class Run:
                         self.optimizers.schedules[name].single_worker(opt.iterations)
                     ),
                     "lr_final": float(self.optimizers.schedules[name](opt.iterations)),
+                    "loss_scale": self.keras.current_loss_scale(opt),
                 }
                 for name, opt in self.optimizers.by_name.items()
             },

@@ -42,6 +42,7 @@ FACTORS = {
     "mixed_precision": [False, True],
     "warmup_epochs": [0, 1],
     "keras": [2, 3],
+    "model": ["compiled", "own-step"],  # Keras's train_step, or the guide's of its own
     "ranks": [1, 2],
     "backend": ["gloo", "mpi"],
 }
@@ -97,12 +98,14 @@ def pairwise(factors, allowed):
 CASES = pairwise(FACTORS, _allowed)
 SHORT = {"steps_per_execution": "spe", "checkpoint_every": "ckpt", "deterministic": "det",
          "accumulate": "acc", "mixed_precision": "mixed", "warmup_epochs": "warmup",
-         "keras": "keras", "ranks": "np"}  # fmt: skip
+         "keras": "keras", "ranks": "np", "model": ""}  # fmt: skip
 
 
 def _name(case):
     return "-".join(
-        str(v) if k in ("data", "backend") else f"{SHORT[k]}{int(v) if v != 'default' else 'def'}"
+        str(v)
+        if k in ("data", "backend", "model")
+        else f"{SHORT[k]}{int(v) if v != 'default' else 'def'}"
         for k, v in case.items()
     )
 
@@ -160,6 +163,7 @@ def test_the_recipe_under_every_pair_of_settings(case, folders, tmp_path):
     args += [] if case["steps_per_execution"] == "default" else ["--steps-per-execution", "1"]
     args += ["--deterministic"] if case["deterministic"] else []
     args += ["--mixed-precision"] if case["mixed_precision"] else []
+    args += ["--own-train-step"] if case["model"] == "own-step" else []
     proc = run_job(ranks, case["backend"], args, hosts=hosts)
 
     output = proc.stdout + proc.stderr

@@ -26,6 +26,7 @@ __all__ = [
     "distributed_optimizer",
     "loss_scale",
     "optimizer_variables",
+    "current_loss_scale",
     "set_seed",
     "set_policy",
     "float32_outputs",
@@ -151,6 +152,13 @@ def _agreed_apply_gradients(self, grads_and_vars, *args, **kwargs):
         return self._keras_class.apply_gradients(self, grads_and_vars, *args, **kwargs)
     finally:
         inner._hvdtrain_reduced = False
+
+
+def current_loss_scale(opt):
+    """The dynamic loss scale of a loss-scale optimizer, else None."""
+    if isinstance(opt, tf.keras.mixed_precision.LossScaleOptimizer):
+        return float(opt.loss_scale)
+    return None
 
 
 def optimizer_variables(opt):

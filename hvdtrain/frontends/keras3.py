@@ -35,6 +35,7 @@ __all__ = [
     "distributed_optimizer",
     "loss_scale",
     "optimizer_variables",
+    "current_loss_scale",
     "set_seed",
     "set_policy",
     "float32_outputs",
@@ -275,6 +276,13 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale(optimizer):
     return _AgreedLossScale(optimizer)
+
+
+def current_loss_scale(opt):
+    """The dynamic loss scale of a loss-scale optimizer, else None."""
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        return float(keras.ops.convert_to_numpy(opt.dynamic_scale))
+    return None
 
 
 def optimizer_variables(opt):

@@ -97,17 +97,18 @@ def build_vae():
 
 
 # -- GAN ("Customizing what happens in fit()"): its own compile, two optimizers ------------
-def _discriminator():
+def _discriminator():  # the last layers in float32, as Keras's mixed precision guide says
     return K.Sequential(
         [K.Input((SIDE, SIDE, 1)), K.layers.Flatten(), K.layers.Dense(16),
-         K.layers.LeakyReLU(0.2), K.layers.Dense(1)], name="discriminator")  # fmt: skip
+         K.layers.LeakyReLU(0.2), K.layers.Dense(1, dtype="float32")],
+        name="discriminator")  # fmt: skip
 
 
 def _generator():
     return K.Sequential(
         [K.Input((LATENT,)), K.layers.Dense(16), K.layers.LeakyReLU(0.2),
-         K.layers.Dense(SIDE * SIDE, activation="sigmoid"), K.layers.Reshape((SIDE, SIDE, 1))],
-        name="generator")  # fmt: skip
+         K.layers.Dense(SIDE * SIDE, activation="sigmoid"),
+         K.layers.Reshape((SIDE, SIDE, 1), dtype="float32")], name="generator")  # fmt: skip
 
 
 def _scaled(optimizer, loss):
@@ -408,7 +409,8 @@ def build_contrastive():
 
 # -- Flawed on purpose ----------------------------------------------------------------------
 def build_drift():
-    """A regression whose train_step also moves a weight by this rank's own error."""
+    """A regression whose train_step also moves a weight by this rank's own error, from its
+    ninth step on (the first epoch of 8 steps agrees and is checkpointed)."""
 
     class Drifting(K.Model):
         def train_step(self, data):
@@ -419,7 +421,8 @@ def build_drift():
             grads = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             bias = self.trainable_variables[-1]
-            bias.assign_add(0.01 * tf.reduce_mean(y - y_pred[:, 0]) * tf.ones_like(bias))
+            late = tf.cast(self.optimizer.iterations > 8, tf.float32)
+            bias.assign_add(late * 0.01 * tf.reduce_mean(y - y_pred[:, 0]) * tf.ones_like(bias))
             return {"loss": loss}
 
     inputs = K.Input((SIDE, SIDE, 1))
@@ -463,15 +466,21 @@ def keras_callbacks(folder):
 
 
 class Killer(tf.keras.callbacks.Callback):
-    """Rank 1 SIGKILLs itself once `step` global steps are done (mid-epoch)."""
+    """Rank 1 SIGKILLs itself once global step `step` is done (mid-epoch: with one step per
+    execution; else at the end of the execution that passed it)."""
 
-    def __init__(self, step, steps_per_epoch, start_step):
+    def __init__(self, step, steps_per_epoch):
         super().__init__()
-        self.step, self.steps, self.done = step, steps_per_epoch, start_step
+        self.step, self.steps, self.epoch = step, steps_per_epoch, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self.done += 1
-        if self.done >= self.step and int(os.environ.get("HOROVOD_RANK", "0")) == 1:
+        import horovod.tensorflow as hvd
+
+        if self.epoch * self.steps + batch + 1 >= self.step and hvd.rank() == 1:
+            sys.stderr.write(f"rank 1: killing itself after step {self.step}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -507,7 +516,7 @@ def main():
         callbacks = keras_callbacks(args.callbacks) if args.callbacks else []
         if args.kill_at:
             steps = 256 // 2 // args.batch_size
-            callbacks.append(Killer(args.kill_at, steps, 0))
+            callbacks.append(Killer(args.kill_at, steps))
         hvdtrain.fit(BUILDERS[name], data_for(name), args, callbacks=callbacks, prog=name,
                      **options)  # fmt: skip
         sys.stderr.write(f"model done: {name}\n")

@@ -10,7 +10,8 @@ by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord and test-*.tfrecord
 host; dataset: a tf.data pipeline made per rank and epoch, its test set read from
 DIR/test-*.tfrecord (a stream of unknown length). --no-test: no test set. --then-epochs N:
 once trained, `fit` again to N epochs in the same process (it resumes from --checkpoint-dir).
---keras 3: the same model in Keras 3 (`import keras`).
+--keras 3: the same model in Keras 3 (`import keras`). --own-train-step: the same layers in
+a model class with its own train_step (the Keras guide "Customizing what happens in fit()").
 --kill-at N: rank 1 SIGKILLs itself after global step N;
 --stall-at N: it hangs there (its watchdog ends it). --stall-in-data: rank 1 hangs while
 loading its data, before any collective. --spoil-metrics-folder: the metrics
@@ -33,18 +34,65 @@ import hvdtrain
 FEATURES = 8
 
 
-def build_model_keras3(jit_compile="auto"):
+def own_train_step(keras):
+    """A model class with the train_step of the Keras guide "Customizing what happens in
+    fit()" (each Keras's version)."""
+    if keras is tf.keras:
+
+        class CustomModel(keras.Model):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+                trainable_vars = self.trainable_variables
+                gradients = tape.gradient(loss, trainable_vars)
+                self.optimizer.apply_gradients(zip(gradients, trainable_vars, strict=True))
+                self.compiled_metrics.update_state(y, y_pred)
+                return {m.name: m.result() for m in self.metrics}
+
+        return CustomModel
+
+    class CustomModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            trainable_vars = self.trainable_variables
+            gradients = tape.gradient(loss, trainable_vars)
+            self.optimizer.apply(gradients, trainable_vars)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    return CustomModel
+
+
+def _layers(keras, own_step):
+    """The model's layers: a Sequential, or with `own_step` the same graph in the guide's
+    model class with its own train_step."""
+    layers = [
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ]
+    if not own_step:
+        return keras.Sequential([keras.Input((FEATURES,)), *layers])
+    inputs = h = keras.Input((FEATURES,))
+    for layer in layers:
+        h = layer(h)
+    return own_train_step(keras)(inputs, h)
+
+
+def build_model_keras3(jit_compile="auto", own_step=False):
     import keras
 
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(32, activation="relu"),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dropout(0.2),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ]
-    )
+    model = _layers(keras, own_step)
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss="binary_crossentropy",
@@ -54,16 +102,8 @@ def build_model_keras3(jit_compile="auto"):
     return model
 
 
-def build_model(jit_compile=None):
-    model = tf.keras.Sequential(
-        [
-            tf.keras.Input((FEATURES,)),
-            tf.keras.layers.Dense(32, activation="relu"),
-            tf.keras.layers.BatchNormalization(),
-            tf.keras.layers.Dropout(0.2),
-            tf.keras.layers.Dense(1, activation="sigmoid"),
-        ]
-    )
+def build_model(jit_compile=None, own_step=False):
+    model = _layers(tf.keras, own_step)
     model.compile(
         tf.keras.optimizers.Adam(0.01),
         "binary_crossentropy",
@@ -221,6 +261,7 @@ def main():
     parser.add_argument("--then-epochs", type=int, default=0, help="fit again to N epochs")
     parser.add_argument("--keras", choices=["2", "3"], default="2", help="the model's Keras")
     parser.add_argument("--jit-compile", action="store_true", help="compile with XLA asked")
+    parser.add_argument("--own-train-step", action="store_true", help="the guide's train_step")
     args = parser.parse_args()
     callbacks = [Fault("kill", args.kill_at)] if args.kill_at else []
     callbacks += [Fault("stall", args.stall_at)] if args.stall_at else []
@@ -243,6 +284,8 @@ def main():
     build = build_model_keras3 if args.keras == "3" else build_model
     if args.jit_compile:
         build = functools.partial(build, jit_compile=True)
+    if args.own_train_step:
+        build = functools.partial(build, own_step=True)
     result = hvdtrain.fit(build, data, args, callbacks=callbacks)
     if args.then_epochs:
         result = hvdtrain.fit(build, data, args, epochs=args.then_epochs)

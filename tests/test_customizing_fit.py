@@ -1,0 +1,443 @@
+"""Models that customize `fit` through `hvdtrain.fit` (issue 34): written as the Keras guides
+write them (tests/workers/customizing_fit.py: a VAE, a GAN, a WGAN-GP, distillation, a
+contrastive model), on both Keras, Gloo and MPI covered pairwise; what hvdtrain finds and
+refuses; the check that stops ranks drifting apart; Keras's callbacks against plain Keras;
+`ArrayData`'s structures. The settings matrix runs the guide's own `train_step` under every
+other pair of settings (its `model` factor)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import ROOT, job_env, run_job, worker
+
+import hvdtrain
+from hvdtrain import prepare, usercallbacks
+from hvdtrain.errors import HvdtrainError
+
+WORKER = worker("customizing_fit.py")
+CORPUS = ["vae", "gan", "wgan", "distiller", "contrastive"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank():
+    hvdtrain.init(threads=1)
+
+
+def _keras(version):
+    if version == "3":
+        import keras
+
+        return keras
+    return tf.keras
+
+
+def _corpus_module(version):
+    """The worker's models, built with the Keras `version` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"customizing_fit_{version}", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.K = _keras(version)
+    return module
+
+
+# -- what hvdtrain finds, takes and refuses (one process) ---------------------------------
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version):
+    k = _keras(version)
+    from hvdtrain import flags, frontends
+
+    gan = _corpus_module(version).build_gan()
+    gan.extra = [gan.d_optimizer]  # the same object again, in a list
+    gan.more = {"probe": k.optimizers.SGD(0.5)}
+    frontend = frontends.for_model(gan)
+    found = prepare.find_optimizers(gan, frontend)
+    assert [prepare.describe(w) for w in found] == [
+        "optimizer", "g_optimizer", "d_optimizer", "extra[0]", "more['probe']"]  # fmt: skip
+    optimizers = prepare.distribute(gan, frontend, flags.make_config(None), 2)
+    assert list(optimizers.by_name) == ["optimizer", "g_optimizer", "d_optimizer", "more['probe']"]
+    assert gan.extra[0] is gan.d_optimizer is optimizers.by_name["d_optimizer"]
+    assert gan.more["probe"] is optimizers.by_name["more['probe']"]
+    assert optimizers.classes == {"optimizer": "RMSprop", "d_optimizer": "Adam",
+                                  "g_optimizer": "Adam", "more['probe']": "SGD"}  # fmt: skip
+    # Each keeps its own single-worker rate, x 2 ranks once the warmup (none yet) is over.
+    assert float(optimizers.schedules["d_optimizer"](0)) == pytest.approx(2 * 3e-4)
+    assert float(optimizers.schedules["more['probe']"](0)) == pytest.approx(2 * 0.5)
+    # --lr sets every optimizer's single-worker rate.
+    lr = prepare.distribute(
+        _corpus_module(version).build_gan(), frontend, flags.make_config(None, lr=0.01), 1
+    )
+    assert [float(s(0)) for s in lr.schedules.values()] == pytest.approx([0.01] * 3)
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("not compiled", "a model that is not compiled"),
+        ("unbuilt", "layer 'augmenter' is not built"),
+        ("no loss", "nothing to train on (no loss in compile, no add_loss, and Keras's own"),
+    ],
+)
+def test_a_model_with_no_way_to_train_is_refused_in_one_line_saying_which(version, case, words):
+    k = _keras(version)
+
+    def build():
+        if case == "unbuilt":
+            model = _corpus_module(version).build_contrastive()
+            model.augmenter = k.Sequential([k.layers.GaussianNoise(0.1)], name="augmenter")
+            return model
+        model = k.Sequential([k.Input((3,)), k.layers.Dense(1)])
+        if case == "no loss":
+            model.compile(optimizer="adam")
+        return model
+
+    x = np.zeros((8, 3), "float32")
+    with pytest.raises(HvdtrainError) as e:
+        hvdtrain.fit(build, (x, x[:, 0]), epochs=1, batch_size=4)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("Invalid value for `build_model`")
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_callbacks_read_and_set_the_single_worker_rate_and_updates_apply_it_x_ranks(version):
+    k = _keras(version)
+    from hvdtrain import frontends
+
+    frontend = frontends.keras2 if version == "2" else frontends.keras3
+    schedule = frontend.WarmupSchedule(0.002, 4, 0)
+    opt = hvdtrain.distributed_optimizer(k.optimizers.SGD(schedule))
+    opt.learning_rate = schedule
+    w = tf.Variable([0.0]) if version == "2" else k.Variable([0.0])
+    opt.build([w])
+    assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.002)  # what a callback reads
+    opt.learning_rate = 0.001  # ReduceLROnPlateau, LearningRateScheduler (Keras 3)
+    if version == "2":
+        k.backend.set_value(opt.lr, 0.0005)  # ... and Keras 2's, through `lr`
+        assert float(k.backend.get_value(opt.lr)) == pytest.approx(0.0005)
+    single = 0.0005 if version == "2" else 0.001
+    opt.apply_gradients([(tf.constant([1.0]), w)])
+    assert float(np.asarray(w.numpy())[0]) == pytest.approx(-4 * single)  # applied x 4 ranks
+    assert float(schedule(1)) == pytest.approx(4 * single)
+    with pytest.raises(TypeError, match="not settable"):  # a base schedule: as Keras
+        decay = k.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+        frontend.WarmupSchedule(decay, 2, 0).set_single_worker(0.1)
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_writers_run_on_rank_0_only_steerers_everywhere_and_backup_is_refused(version, tmp_path):
+    k = _keras(version)
+
+    class Mine(k.callbacks.Callback):
+        pass
+
+    class MyCSV(k.callbacks.CSVLogger):
+        pass
+
+    writers = [k.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
+               k.callbacks.CSVLogger(str(tmp_path / "h.csv")), MyCSV(str(tmp_path / "i.csv")),
+               k.callbacks.TensorBoard(str(tmp_path)), hvdtrain.rank0_only(Mine())]  # fmt: skip
+    steerers = [k.callbacks.EarlyStopping(), k.callbacks.ReduceLROnPlateau(),
+                k.callbacks.LearningRateScheduler(lambda e, lr: lr), Mine(),
+                k.callbacks.TerminateOnNaN()]  # fmt: skip
+    assert all(usercallbacks.runs_on_rank0_only(c) for c in writers)
+    assert not any(usercallbacks.runs_on_rank0_only(c) for c in steerers)
+    assert usercallbacks.UserCallbacks(writers + steerers, 1).callbacks == steerers
+    assert usercallbacks.UserCallbacks(writers + steerers, 0).callbacks == writers + steerers
+    assert usercallbacks.UserCallbacks(steerers, 1).stops_in_epochs  # TerminateOnNaN
+    assert not usercallbacks.UserCallbacks(writers + steerers[:-1], 1).stops_in_epochs
+    with pytest.raises(HvdtrainError, match="received 'BackupAndRestore'.*checkpoints and resumes"):
+        usercallbacks.UserCallbacks([k.callbacks.BackupAndRestore(str(tmp_path / "b"))], 0)
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_callbacks_see_one_training_and_class_weight_reaches_keras(version, tmp_path):
+    """Keras 3 runs a fit per epoch: the callbacks still see one on_train_begin and one
+    on_train_end. All-zero class weights: no gradient, the weights stay as built."""
+    k = _keras(version)
+    seen = []
+
+    class Count(k.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append("begin")
+
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(epoch)
+
+        def on_train_end(self, logs=None):
+            seen.append("end")
+
+    built = []
+
+    def build():
+        model = k.Sequential([k.Input((3,)), k.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer=k.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+        built.append([w.copy() for w in model.get_weights()])
+        return model
+
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    out = hvdtrain.fit(build, (x, y), epochs=3, batch_size=8, callbacks=[Count()],
+                       class_weight={0: 0.0, 1: 0.0}, checkpoint_dir=str(tmp_path))  # fmt: skip
+    assert seen == ["begin", 0, 1, 2, "end"]
+    assert out["optimizer_iterations"] == 12 and out["history"]["loss"] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_a_model_class_of_its_own_is_exported_as_weights_that_load(version, tmp_path):
+    from hvdtrain import files
+
+    corpus = _corpus_module(version)
+    path = files.export_model(corpus.build_gan(), corpus.build_gan, str(tmp_path / "model.keras"))
+    assert path == str(tmp_path / "model.weights.h5") and os.path.exists(path)
+    fresh = corpus.build_gan()
+    fresh.built = True  # never called whole: Keras 3 loads into a model marked built
+    fresh.load_weights(path)
+
+
+# -- ArrayData takes what Keras's fit takes (one process) ---------------------------------
+def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
+    n = 10
+    x = {"num": np.arange(n, dtype="float32")[:, None], "cat": np.arange(n) * 10}
+    y = {"out": np.arange(n) * 100}
+    w = np.arange(n, dtype="float32")
+    ds = hvdtrain.train_dataset(x, y, 2, 1, 2, steps=2, sample_weight=w)
+    bx, by, bw = next(iter(ds))
+    assert set(bx) == {"num", "cat"} and set(by) == {"out"}
+    got = bx["num"].numpy()[:, 0].astype(int)
+    assert all(i % 2 == 1 for i in got)  # rank 1's shard
+    assert (bx["cat"].numpy() == got * 10).all() and (by["out"].numpy() == got * 100).all()
+    assert (bw.numpy() == got).all()
+    # fit(x) alone: batches of x; a tuple x as (x,), as Keras gives them to train_step.
+    alone = next(iter(hvdtrain.train_dataset(np.zeros((4, 3)), None, 2, 0, 1)))
+    assert isinstance(alone, tf.Tensor) and alone.shape == (2, 3)
+    pair = next(iter(hvdtrain.train_dataset((np.zeros((4, 3)), np.ones((4, 1))), None, 2, 0, 1)))
+    assert isinstance(pair, tuple) and len(pair) == 1 and len(pair[0]) == 2
+    data = hvdtrain.ArrayData(x, y, test=(x, y, w), sample_weight=w)
+    assert data.num_samples == n and len(next(iter(data.eval_dataset(4, _place())))) == 3
+
+
+def _place():
+    from hvdtrain.data import Placement
+
+    return Placement(0, 1, 0, 1, "localhost")
+
+
+@pytest.mark.parametrize(
+    "x, y, words",
+    [
+        ({"num": np.zeros(4), "cat": np.zeros(3)}, None, "`x['cat']`: received '3 samples'"),
+        (np.zeros(4), {"a": np.zeros(4), "b": np.zeros(5)}, "`y['b']`: received '5 samples'"),
+        (np.zeros(4), np.zeros(3), "`y`: received '3 samples'; expected one per sample of x"),
+    ],
+)
+def test_array_data_length_mismatch_names_the_key(x, y, words):
+    with pytest.raises(HvdtrainError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        hvdtrain.ArrayData(x, y)
+
+
+# -- real ranks ---------------------------------------------------------------------------
+def _train(np_, backend, out, *args, check=True):
+    args = [WORKER, "--checkpoint-dir", str(out / "ck"), "--metrics-json", str(out / "m.json"),
+            *args]  # fmt: skip
+    return run_job(np_, backend, args, check=check)
+
+
+def _metrics(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module", params=[("2", "gloo"), ("3", "mpi")], ids=["k2-gloo", "k3-mpi"])
+def corpus(request, tmp_path_factory):
+    """The corpus trained at -np 2, one model after the other in the same job: Keras 2 with
+    gradient accumulation, Keras 3 with float16 on the wire."""
+    version, backend = request.param
+    out = tmp_path_factory.mktemp(f"corpus-{version}")
+    extra = ["--accumulate", "2"] if version == "2" else ["--fp16-allreduce"]
+    proc = _train(2, backend, out, "--keras", version, "--models", ",".join(CORPUS), *extra)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return version, out
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_models_that_customize_fit_train_on_two_ranks_to_one_weights_digest(corpus, name):
+    version, out = corpus
+    m = _metrics(out, name)
+    assert (
+        m["status"] == "finished" and m["size"] == 2 and m["keras"].startswith(f"Keras {version}")
+    )
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1, m["ranks"]
+    iterations = {k: v["iterations"] for k, v in m["optimizers"].items()}
+    steps = 2 * m["steps_per_epoch"]  # 2 epochs
+    expected = {
+        "vae": {"optimizer": steps},
+        "gan": {"optimizer": 0, "d_optimizer": steps, "g_optimizer": steps},
+        "wgan": {"optimizer": 0, "d_optimizer": 3 * steps, "g_optimizer": steps},  # 3 critic steps
+        "distiller": {"optimizer": steps},
+        "contrastive": {"optimizer": 0, "contrastive_optimizer": steps, "probe_optimizer": steps},
+    }[name]
+    assert iterations == expected
+    for opt in m["optimizers"].values():  # each optimizer's own rate x 2 after the warmup
+        if opt["iterations"] >= m["steps_per_epoch"]:
+            assert opt["lr_final"] == pytest.approx(2 * opt["lr_single_worker"])
+    logs = {"vae": {"loss", "kl_loss"}, "gan": {"d_loss", "g_loss"}, "wgan": {"d_loss", "g_loss"},
+            "distiller": {"sparse_categorical_accuracy"},
+            "contrastive": {"c_loss", "p_loss", "p_acc"}}[name]  # fmt: skip
+    assert logs <= set(m["history"]) and all(len(v) == 2 for v in m["history"].values())
+    if name in ("distiller", "contrastive"):  # their own test_step, each sample once
+        accuracy = "sparse_categorical_accuracy" if name == "distiller" else "p_acc"
+        assert 0 <= m["test"][accuracy] <= 1
+    assert os.path.exists(out / "ck" / name / "model.weights.h5")  # classes of their own
+
+
+@pytest.mark.parametrize(
+    "model, version, backend",
+    [("drift", "2", "mpi"), ("hidden", "3", "gloo")],  # each Keras, each backend
+)
+def test_ranks_that_drift_apart_stop_in_one_line_before_a_checkpoint_of_them(
+    model, version, backend, tmp_path
+):
+    proc = _train(2, backend, tmp_path, "--keras", version, "--models", model, "--epochs", "3",
+                  check=False)  # fmt: skip
+    err = proc.stderr
+    # No rank's traceback (plain horovodrun --gloo prints its own when a rank fails).
+    assert proc.returncode != 0 and "<stderr>:Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "error: the ranks hold different weights" in line]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank(s) 1 differ from rank 0" in lines[0]
+    assert "an optimizer hvdtrain did not distribute" in lines[0]
+    m = _metrics(tmp_path, model)
+    assert m["status"] == "ranks_disagree"
+    folders = sorted(os.listdir(tmp_path / "ck" / model))
+    if model == "drift":  # it drifts from its second epoch: the first's checkpoint is kept
+        assert "at the end of epoch 2" in lines[0] and folders == ["epoch-0001"]
+    else:  # the hidden optimizer from the first step
+        assert "after the first steps" in lines[0] and folders == []
+
+
+def _csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("version, backend", [("3", "gloo"), ("2", "mpi")])
+def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
+    version, backend, tmp_path
+):
+    """EarlyStopping, ReduceLROnPlateau, CSVLogger and ModelCheckpoint: at -np 2 through
+    hvdtrain.fit, and on one process with Keras's own fit (the global batch); then the same
+    command again, which must not train past the stop."""
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    plain.mkdir()
+    ours.mkdir()
+    flags = ["--keras", version, "--models", "vae", "--epochs", "6"]
+    argv = [sys.executable, WORKER, *flags, "--plain", "--callbacks", str(plain)]
+    proc = subprocess.run(
+        argv, env=job_env(), capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = [*flags, "--warmup-epochs", "0", "--callbacks", str(ours)]
+    run = _train(2, backend, ours, *args)
+    lr = "lr" if version == "2" else "learning_rate"
+    expected, got = _csv(plain / "history-0.csv"), _csv(ours / "history-0.csv")
+    # Stopped after the epoch plain Keras stops at (3 of 6), at the rates it set.
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in expected] == ["0", "1", "2"]
+    assert [float(r[lr]) for r in got] == [float(r[lr]) for r in expected]
+    assert [float(r[lr]) for r in got] == pytest.approx([1e-3, 1e-3, 5e-4])
+    # Written by rank 0 alone: no file of rank 1's.
+    assert sorted(p.name for p in ours.iterdir() if "-" in p.name) == [
+        "history-0.csv", "last-0.weights.h5"]  # fmt: skip
+    m = _metrics(ours, "vae")
+    assert m["stopped_early"] == 3 and m["optimizer_iterations"] == 3 * m["steps_per_epoch"]
+    # Every rank stopped there: they end on one digest, at the rate set x 2 ranks.
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    single = m["optimizers"]["optimizer"]["lr_single_worker"]
+    assert single == pytest.approx(2.5e-4) and m["lr_final"] == pytest.approx(2 * single)
+    assert "training stopped by a callback after epoch 3" in run.stderr
+    # The same command again: the stop is in the checkpoint; nothing more is trained.
+    again = _train(2, backend, ours, *args)
+    assert "a callback stopped training after epoch 3 (in the checkpoint)" in again.stderr
+    m = _metrics(ours, "vae")
+    assert m["stopped_early"] == 3 and m["optimizer_iterations"] == 3 * m["steps_per_epoch"]
+    assert m["optimizers"]["optimizer"]["lr_single_worker"] == pytest.approx(2.5e-4)
+
+
+def test_a_rate_set_by_a_callback_is_kept_across_a_resume(tmp_path):
+    """ReduceLROnPlateau halves the rate after epoch 2; the run resumed from that epoch's
+    checkpoint goes on at the halved rate (its own state starts afresh, as Keras's does)."""
+    for epochs in ("2", "4"):
+        _train(2, "gloo", tmp_path, "--keras", "2", "--models", "vae", "--epochs", epochs,
+               "--warmup-epochs", "0", "--callbacks", str(tmp_path))  # fmt: skip
+    rates = [float(r["lr"]) for r in _csv(tmp_path / "history-0.csv")]  # appended by both runs
+    assert rates == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4])
+
+
+@pytest.mark.parametrize("version, backend", [("2", "gloo")])  # Keras 3: test-slow
+def test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(version, backend, tmp_path):
+    _train(2, backend, tmp_path, "--keras", version, "--models", "gan", "--mixed-precision",
+           "float16")  # fmt: skip
+    m = _metrics(tmp_path, "gan")
+    assert m["mixed_precision"] == "mixed_float16"
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    for name in ("d_optimizer", "g_optimizer"):
+        assert m["optimizers"][name]["loss_scale"] > 0  # a dynamic scale, agreed by the ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version, backend", [("3", "mpi")])
+def test_a_gan_in_float16_on_keras3(version, backend, tmp_path):
+    test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(version, backend, tmp_path)
+
+
+@pytest.mark.parametrize("version, backend", [("3", "gloo")])
+def test_a_gan_killed_mid_epoch_resumes_bitwise(version, backend, tmp_path):
+    """--deterministic: the Keras 3 guide's GAN draws its noise from a seed generator, which
+    the checkpoint holds. Killed after step 5 (checkpoint at step 4), run again: the same
+    weights as a run never interrupted."""
+    flags = ["--keras", version, "--models", "gan", "--epochs", "2", "--deterministic",
+             "--checkpoint-every", "2"]  # fmt: skip
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _train(2, backend, whole, *flags)
+    killed = _train(2, backend, cut, *flags, "--kill-at", "5", check=False)
+    assert killed.returncode != 0 and "rank 1: killing itself after step 5" in killed.stderr
+    resumed = _train(2, backend, cut, *flags)
+    assert "resuming at epoch 1, step 4 of 8" in resumed.stderr
+    digests = {r["weights_digest"] for r in _metrics(whole, "gan")["ranks"]}
+    assert {r["weights_digest"] for r in _metrics(cut, "gan")["ranks"]} == digests
+    assert len(digests) == 1
+
+
+@pytest.mark.slow
+def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(tmp_path):
+    """`--elastic` on two hosts of this machine; rank 1 kills itself after step 12 (epoch 2):
+    the survivor rolls both optimizers back to the last commit and trains on alone."""
+    run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
+    argv = [run, "--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--",
+            sys.executable, WORKER, "--elastic", "--keras", "3", "--models", "gan",
+            "--epochs", "3", "--kill-at", "12", "--commit-every", "5",
+            "--steps-per-execution", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--metrics-json", str(tmp_path / "m.json")]  # fmt: skip
+    env = job_env(HOROVOD_ELASTIC_TIMEOUT="60", HOROVOD_GLOO_TIMEOUT_SECONDS="60")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "rank 1: killing itself after step 12" in out
+    assert "elastic: a worker failed; 2 -> 1 rank(s)" in out
+    m = _metrics(tmp_path, "gan")
+    assert m["size"] == 1 and m["status"] == "finished"
+    (reset,) = m["elastic"]["resets"]
+    assert reset["restored"]["step"] == reset["last_commit"]["step"] <= 12
+    # Both optimizers rolled back with the weights: the steps of 2 ranks before the commit,
+    # then 1 rank's (16 a epoch) from there to the end of epoch 3.
+    before = reset["restored"]["step"]
+    after = 3 * 16 - (before // 8 * 16 + before % 8 * 2)
+    for name in ("d_optimizer", "g_optimizer"):
+        assert m["optimizers"][name]["iterations"] == before + after
+    assert len(m["history"]["d_loss"]) == 3
