@@ -631,10 +631,10 @@ class Run:
             f"{k} {v:.4f}" for k, v in result.items() if k != "samples" and isinstance(v, float)
         )
         rate = out["train_samples_per_sec"]
+        samples = f" on {result['samples']} samples" if result.get("samples") else ""
         self.log.info(
-            "test: %s on %d samples; %s samples/s; %.1f s",
-            shown or "n/a",
-            result.get("samples", 0),
+            "%s; %s samples/s; %.1f s",
+            f"test: {shown}{samples}" if shown else "done (no test set)",
             f"{rate:.0f}" if rate else "n/a",
             out["wall_seconds"],
         )
