@@ -441,3 +441,15 @@ def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(tm
     for name in ("d_optimizer", "g_optimizer"):
         assert m["optimizers"][name]["iterations"] == before + after
     assert len(m["history"]["d_loss"]) == 3
+
+
+def test_keras2_loss_scaling_where_a_train_step_applies_skips_on_every_rank(tmp_path):
+    """Keras 2's loss scale, the gradients given to `apply_gradients` (a train_step of the
+    user's own): averaged before the skip-or-apply decision, so a step whose gradients
+    overflow on rank 1 only is skipped on both (Keras 3's: test_keras3.py)."""
+    run_job(2, "mpi", [worker("loss_scale_checks.py"), str(tmp_path), "--keras", "2"])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # Skipped, then one averaged update: 1 - 0.1 x mean(0, 1) (Keras 2 applies as given).
+    assert ranks[0]["w"] == ranks[1]["w"] == pytest.approx([1 - 0.05] * 3)
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 2.0**14  # halved once, from 2**15
+    assert ranks[0]["iterations"] == ranks[1]["iterations"] == 2  # the skipped step counts

@@ -96,7 +96,7 @@ def test_keras3_loss_scaling_skips_a_step_on_every_rank_when_one_ranks_gradients
 ):
     from conftest import worker
 
-    run_job(2, backend, [worker("keras3_checks.py"), str(tmp_path)])
+    run_job(2, backend, [worker("loss_scale_checks.py"), str(tmp_path), "--keras", "3"])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["finite"] for r in ranks] == [False, False]  # both skip, nobody waits
     # Skipped, then one averaged update of the unscaled gradients, 1 - 0.1 x mean(0, 1) /
