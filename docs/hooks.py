@@ -25,6 +25,8 @@ MODULES = {  # the order and titles of the API page's sections
     "optim": "Optimisation",
     "metrics": "Metrics",
     "callbacks": "Callbacks",
+    "usercallbacks": "Your Keras callbacks",
+    "agreement": "Ranks that drift apart",
     "watchdog": "Watchdog",
     "checkpoint": "Checkpoints",
     "files": "Files",
