@@ -300,7 +300,8 @@ class Run:
         }
         self.history_before = {k: list(v) for k, v in self.history.items()}
         extra = saved.get("extra") or {}
-        if extra.get("stopped") and step % steps == 0:
+        # A callback's stop holds for the same command; asking for more epochs trains on.
+        if extra.get("stopped") and step % steps == 0 and self.cfg.epochs <= extra["stopped"]:
             self.stopped = step // steps - 1
         for name, rate in (extra.get("single_worker_lr") or {}).items():
             schedule = self.optimizers.schedules.get(name)
@@ -500,7 +501,7 @@ class Run:
         }
         out = {"single_worker_lr": changed} if changed else {}
         if getattr(self.model, "stop_training", False):
-            out["stopped"] = True
+            out["stopped"] = self.cfg.epochs  # of a run that asked for this many
         return out
 
     def lr_base(self):

@@ -306,9 +306,16 @@ def _run_hvdtrain(args, model_name, batch, steps, x, y, files=False, keras_versi
     model.fit(
         ds, steps_per_epoch=steps, epochs=1 + args.repeats, callbacks=[_timer(windows)], verbose=0
     )
+    # The check that the ranks hold the same weights, which hvdtrain.fit runs at each epoch's
+    # end (and once after the first steps): its time against an epoch's.
+    checks = []
+    for _ in range(5):
+        start = time.perf_counter()
+        hvdtrain.check_weights_agree(model, "in the benchmark")
+        checks.append(time.perf_counter() - start)
     if keras_version == "3":
         keras.backend.clear_session()
-    return windows, options, model.count_params()
+    return windows, options, model.count_params(), {"agreement_ms": 1000 * _median(checks)}
 
 
 def _run_baseline(args, model_name, batch, steps, x, y):
@@ -456,11 +463,16 @@ def main(argv=None):
                         out = _run_mwms(args, model_name, batch, steps, x, y, strategy)
                     else:
                         out = _run_keras(args, model_name, batch, steps, x, y, keras_options)
-                    windows, options, params = out
+                    windows, options, params, *extra = out
                     tf.keras.backend.clear_session()
                     result = _result(
                         variant, label, size, backend, model_name, batch, steps, windows
                     )
+                    for more in extra:  # the weights check: its share of an epoch
+                        result.update(more)
+                        result["agreement_share_of_epoch"] = more["agreement_ms"] / (
+                            result["step_ms"] * steps
+                        )
                     result.update(
                         compile_options={k: v for k, v in options.items() if isinstance(v, int)},
                         params=params,
