@@ -34,10 +34,12 @@ def _states(model):
     return [(m.name, [v.numpy() for v in m.variables]) for m in model.metrics if m.variables]
 
 
-def global_results(model):
+def global_results(model, skip_unused=False):
     """The model's metric results over every rank: each metric's state (total and count,
     confusion counts, ...) summed over the ranks, then its `result()`. A collective: every
-    rank calls it, with whatever its metrics hold (none if it saw no batch)."""
+    rank calls it, with whatever its metrics hold (none if it saw no batch). With
+    `skip_unused`, a metric whose state is all zeros on every rank (one a `test_step` of the
+    model's own never updates) is left out, as Keras's `evaluate` leaves it out."""
     mine = _states(model)
     gathered = hvd.allgather_object(mine, name="hvdtrain.metrics") if hvd.size() > 1 else [mine]
     summed = {}
@@ -51,6 +53,8 @@ def global_results(model):
             )
     results = {}
     for m in model.metrics:
+        if skip_unused and m.name in summed and not any(np.any(a) for a in summed[m.name]):
+            continue
         if m.name in summed and len(m.variables) == len(summed[m.name]):
             for v, total in zip(m.variables, summed[m.name], strict=True):
                 v.assign(total)
@@ -113,7 +117,7 @@ def evaluate(model, dataset, callbacks=None):
         except ValueError as e:  # Keras' answer to a dataset without a single batch
             if "Empty logs" not in str(e):
                 raise
-    results = {"samples": 0, **global_results(model)}
+    results = {"samples": 0, **global_results(model, skip_unused=True)}
     model.reset_metrics()
     return results
 

@@ -4,12 +4,13 @@ calling its `compile` again: a model's own `compile` (a GAN's `compile(d_optimiz
 g_optimizer, loss_fn)`) takes arguments hvdtrain cannot know.
 
 Where the optimizers are looked for, on both Keras: the model's `optimizer` (what
-`compile(optimizer=...)` sets; Keras's `compile()` without one sets an RMSprop), and every
+`compile(optimizer=...)` sets; Keras's `compile()` without one sets an RMSprop), every
 attribute of the model that holds a Keras optimizer, directly or in a list, tuple or dict
-(`self.d_optimizer`, `self.optimizers = [...]`), as a model's own `compile` keeps them.
-Nothing else: an optimizer that a `train_step` reaches another way (a nested model's
-`optimizer`, a global, an object of its own) is not distributed, and the check that the
-ranks hold the same weights (`hvdtrain.agreement`) stops the run after its first steps.
+(`self.d_optimizer`, `self.optimizers = [...]`), as a model's own `compile` keeps them, and
+the `optimizer` of every model inside it (a discriminator compiled on its own). Nothing
+else: an optimizer that a `train_step` reaches another way (a global, an object of its own)
+is not distributed, and the check that the ranks hold the same weights
+(`hvdtrain.agreement`) stops the run after its first steps.
 
 Each optimizer found is replaced, at each place it was found, by a copy (its class and
 config) that averages the gradients over the ranks wherever they are applied (Keras's
@@ -61,33 +62,60 @@ class Optimizers:
 
 def find_optimizers(model, frontend):
     """{where: optimizer} of every Keras optimizer the model holds where hvdtrain looks (see
-    the module), `model.optimizer` first; an object held at several places appears once per
-    place."""
+    the module), `model.optimizer` first, then its attributes, the lists, tuples and dicts
+    there, and the `optimizer` of each model inside it; an object held at several places
+    appears once per place."""
+    return {name: opt for name, (opt, _, _) in _places(model, frontend).items()}
+
+
+def _places(model, frontend):
+    """{where: (optimizer, put, owner)}: `put(optimizer)` puts another there, and `owner`
+    is the model whose trainable variables the optimizer's slots are made for."""
     found = {}
 
-    def look(where, value):
+    def look(name, value, put, owner):
         if isinstance(value, frontend.OPTIMIZER_TYPES):
-            found[where] = value
+            found[name] = (value, put, owner)
 
-    look(("optimizer",), getattr(model, "optimizer", None))
+    look("optimizer", getattr(model, "optimizer", None), _setter(model, "optimizer"), model)
     attributes = [(k, v) for k, v in vars(model).items() if k != "optimizer"]
     for name, value in attributes:  # attributes first: they name an object found twice
-        look((name,), value)
+        look(name, value, _setter(model, name), model)
     for name, value in attributes:
         if name.startswith("_self_"):  # TensorFlow's tracking of the attributes themselves
             continue
         if isinstance(value, dict):
-            for key, item in list(value.items()):
-                look((name, key), item)
+            items = list(value.items())
         elif isinstance(value, list | tuple):
-            for i, item in enumerate(value):
-                look((name, i), item)
+            items = list(enumerate(value))
+        else:
+            continue
+        for key, item in items:
+            look(f"{name}[{key!r}]", item, _item_setter(model, name, key), model)
+    for layer in model._flatten_layers(include_self=False):  # a discriminator compiled alone
+        if isinstance(layer, frontend.keras.Model):
+            opt = getattr(layer, "optimizer", None)
+            look(f"{layer.name}.optimizer", opt, _setter(layer, "optimizer"), layer)
     return found
 
 
-def describe(where):
-    """'d_optimizer', 'optimizers[1]', "opts['d']"."""
-    return where[0] if len(where) == 1 else f"{where[0]}[{where[1]!r}]"
+def _setter(holder, name):
+    return lambda value: setattr(holder, name, value)
+
+
+def _item_setter(model, name, key):
+    """Sets item `key` of the model's attribute `name` (a list, tuple or dict)."""
+
+    def put(value):
+        holder = getattr(model, name)
+        if hasattr(holder, "_fields"):  # a namedtuple
+            setattr(model, name, holder._replace(**{holder._fields[key]: value}))
+        elif isinstance(holder, tuple):
+            setattr(model, name, tuple(value if i == key else v for i, v in enumerate(holder)))
+        else:
+            holder[key] = value
+
+    return put
 
 
 def trains_itself(model, frontend):
@@ -106,16 +134,15 @@ def distribute(model, frontend, cfg, size, policy=None, log=None):
     the `Optimizers`. Also turns XLA off and sets the steps per execution (`cfg`'s, or the
     default the recipe chose: `spe`)."""
     _check_trainable(model, frontend)
-    found = find_optimizers(model, frontend)
-    places = {}  # id(optimizer) -> [where, ...]
+    places = {}  # id(optimizer) -> [(where, put, owner), ...]
     objects = {}
-    for where, opt in found.items():
-        places.setdefault(id(opt), []).append(where)
+    for where, (opt, put, owner) in _places(model, frontend).items():
+        places.setdefault(id(opt), []).append((where, put, owner))
         objects[id(opt)] = opt
     by_name, schedules, classes = {}, {}, {}
     for key, wheres in places.items():
         user = frontend.unwrapped(objects[key])
-        name = describe(wheres[0])
+        name, _, owner = wheres[0]
         if frontend.is_distributed(user):
             raise invalid_value(
                 f"build_model ({name})",
@@ -136,10 +163,12 @@ def distribute(model, frontend, cfg, size, policy=None, log=None):
         opt.learning_rate = schedule  # Horovod rebuilt it with a copy: see rescale_schedule
         if policy == "mixed_float16":
             opt = frontend.loss_scale(opt)
-        # Slots exist before any broadcast or restore (also what an elastic state needs).
-        opt.build(model.trainable_variables)
-        for where in wheres:
-            _put(model, where, opt)
+        # Slots exist before any broadcast or restore (also what an elastic state needs): for
+        # the trainable variables of the model that holds it (a GAN's optimizers each get all
+        # of the GAN's: the variables a train_step applies them to are not known before).
+        opt.build(owner.trainable_variables)
+        for _, put, _ in wheres:
+            put(opt)
         by_name[name], schedules[name], classes[name] = opt, schedule, type(user).__name__
     return Optimizers(by_name, schedules, classes)
 
@@ -183,18 +212,3 @@ def _check_trainable(model, frontend):
             "model.compile(optimizer=..., loss=...), losses added with add_loss, or a "
             "train_step of the model's own",
         )
-
-
-def _put(model, where, value):
-    """Sets `value` at `where` (an attribute, or an item of one) of `model`."""
-    if len(where) == 1:
-        setattr(model, where[0], value)
-        return
-    name, key = where
-    holder = getattr(model, name)
-    if hasattr(holder, "_fields"):  # a namedtuple
-        setattr(model, name, holder._replace(**{holder._fields[key]: value}))
-    elif isinstance(holder, tuple):
-        setattr(model, name, tuple(value if i == key else v for i, v in enumerate(holder)))
-    else:
-        holder[key] = value

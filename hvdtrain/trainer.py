@@ -343,6 +343,7 @@ class Run:
         self.throughput = cb.ThroughputCallback(self.global_batch, steps)
         if self.user is None:  # one for the run: an elastic restart goes on with them
             self.user = usercallbacks.UserCallbacks(self.user_callbacks, p.rank)
+        self.user.for_rank(p.rank)  # after an elastic reset rank 0 may be another worker
         self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
         rates = [s.rate for s in self.optimizers.schedules.values() if s.rate is not None]
         self.steering = usercallbacks.AgreedSteering(rates, self.user.stops_in_epochs)

@@ -92,21 +92,26 @@ class UserCallbacks(tf.keras.callbacks.Callback):
 
     def __init__(self, callbacks, rank, params=None):
         super().__init__()
-        callbacks = list(callbacks)
-        for callback in callbacks:
+        self.all = list(callbacks)
+        for callback in self.all:
             refused = _keras_classes(callback) & set(REFUSED)
             if refused:
                 name = refused.pop()
                 raise invalid_value("callbacks", name, REFUSED[name])
-        self.callbacks = [c for c in callbacks if rank == 0 or not runs_on_rank0_only(c)]
+        self.for_rank(rank)
         # The same on every rank (from the whole list): agreeing costs a collective.
         self.stops_in_epochs = any(
             _overrides(c, "on_train_batch_end", "on_batch_end")
-            for c in callbacks
+            for c in self.all
             if not _keras_classes(c) & set(WRITERS)  # Keras's writers never stop training
         )
         self.run_params = dict(params or {})
-        self.began = self.ended = False
+        self.began, self.ended = set(), False  # the ids of the callbacks that began
+
+    def for_rank(self, rank):
+        """Runs the callbacks of `rank` from now on (an elastic reset may make this worker
+        rank 0: its writers then begin at the next `fit`)."""
+        self.callbacks = [c for c in self.all if rank == 0 or not runs_on_rank0_only(c)]
 
     def set_model(self, model):
         super().set_model(model)
@@ -124,9 +129,10 @@ class UserCallbacks(tf.keras.callbacks.Callback):
             getattr(c, hook)(*args)
 
     def on_train_begin(self, logs=None):
-        if not self.began:
-            self.began = True
-            self._each("on_train_begin", logs)
+        for c in self.callbacks:
+            if id(c) not in self.began:
+                self.began.add(id(c))
+                c.on_train_begin(logs)
 
     def on_train_end(self, logs=None):
         pass  # `end` calls theirs once the run's last fit is done
@@ -134,9 +140,11 @@ class UserCallbacks(tf.keras.callbacks.Callback):
     def end(self, logs=None):
         """The end of the run's training: the callbacks' `on_train_end` (EarlyStopping puts
         the best weights back), once."""
-        if self.began and not self.ended:
+        if not self.ended:
             self.ended = True
-            self._each("on_train_end", logs)
+            for c in self.callbacks:
+                if id(c) in self.began:
+                    c.on_train_end(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._each("on_epoch_begin", epoch, logs)
@@ -218,6 +226,9 @@ class AgreedSteering(tf.keras.callbacks.Callback):
         values = hvd.broadcast(values, 0, name="hvdtrain.single_worker_lr").numpy()
         for rate, value in zip(self.rates, np.asarray(values), strict=True):
             rate.assign(value)
+
+    def _implements_train_batch_hooks(self):  # Keras 2 calls the batch hooks only if so
+        return self.within_epochs
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -21,7 +21,7 @@ from hvdtrain import prepare, usercallbacks
 from hvdtrain.errors import HvdtrainError
 
 WORKER = worker("customizing_fit.py")
-CORPUS = ["vae", "gan", "wgan", "distiller", "contrastive"]
+CORPUS = ["vae", "gan", "wgan", "distiller", "contrastive", "named"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,16 +57,19 @@ def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version):
     gan = _corpus_module(version).build_gan()
     gan.extra = [gan.d_optimizer]  # the same object again, in a list
     gan.more = {"probe": k.optimizers.SGD(0.5)}
+    gan.generator.compile(optimizer=k.optimizers.Adagrad(0.1), loss="mse")  # compiled alone
     frontend = frontends.for_model(gan)
     found = prepare.find_optimizers(gan, frontend)
-    assert [prepare.describe(w) for w in found] == [
-        "optimizer", "g_optimizer", "d_optimizer", "extra[0]", "more['probe']"]  # fmt: skip
+    assert list(found) == ["optimizer", "g_optimizer", "d_optimizer", "extra[0]",
+                           "more['probe']", "generator.optimizer"]  # fmt: skip
     optimizers = prepare.distribute(gan, frontend, flags.make_config(None), 2)
-    assert list(optimizers.by_name) == ["optimizer", "g_optimizer", "d_optimizer", "more['probe']"]
+    assert list(optimizers.by_name) == [name for name in found if name != "extra[0]"]
     assert gan.extra[0] is gan.d_optimizer is optimizers.by_name["d_optimizer"]
     assert gan.more["probe"] is optimizers.by_name["more['probe']"]
+    assert gan.generator.optimizer is optimizers.by_name["generator.optimizer"]
     assert optimizers.classes == {"optimizer": "RMSprop", "d_optimizer": "Adam",
-                                  "g_optimizer": "Adam", "more['probe']": "SGD"}  # fmt: skip
+                                  "g_optimizer": "Adam", "more['probe']": "SGD",
+                                  "generator.optimizer": "Adagrad"}  # fmt: skip
     # Each keeps its own single-worker rate, x 2 ranks once the warmup (none yet) is over.
     assert float(optimizers.schedules["d_optimizer"](0)) == pytest.approx(2 * 3e-4)
     assert float(optimizers.schedules["more['probe']"](0)) == pytest.approx(2 * 0.5)
@@ -75,6 +78,34 @@ def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version):
         _corpus_module(version).build_gan(), frontend, flags.make_config(None, lr=0.01), 1
     )
     assert [float(s(0)) for s in lr.schedules.values()] == pytest.approx([0.01] * 3)
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_a_loss_added_with_add_loss_and_a_learning_rate_scheduler(version, tmp_path):
+    """A model compiled with an optimizer only whose loss comes from add_loss trains; Keras's
+    LearningRateScheduler sets the single-worker rate each epoch, as on one device."""
+    k = _keras(version)
+
+    class Penalty(k.layers.Layer):  # the loss added inside call, as Keras 3 allows it
+        def call(self, x):
+            self.add_loss(tf.reduce_mean(tf.square(x - 1.0)))
+            return x
+
+    def build():
+        inputs = k.Input((3,))
+        model = k.Model(inputs, Penalty()(k.layers.Dense(2)(inputs)))
+        model.compile(optimizer=k.optimizers.SGD(0.1))
+        return model
+
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    scheduler = k.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 / (epoch + 1))
+    out = hvdtrain.fit(build, hvdtrain.ArrayData(x), epochs=3, batch_size=8,
+                       callbacks=[scheduler], warmup_epochs=0)  # fmt: skip
+    loss = out["history"]["loss"]
+    assert loss[-1] < loss[0]
+    rates = out["history"]["lr" if version == "2" else "learning_rate"]
+    assert rates == pytest.approx([0.05, 0.025, 0.05 / 3])
+    assert out["lr_final"] == pytest.approx(0.05 / 3)  # x 1 rank
 
 
 @pytest.mark.parametrize("version", ["2", "3"])
@@ -282,6 +313,7 @@ def test_models_that_customize_fit_train_on_two_ranks_to_one_weights_digest(corp
         "wgan": {"optimizer": 0, "d_optimizer": 3 * steps, "g_optimizer": steps},  # 3 critic steps
         "distiller": {"optimizer": steps},
         "contrastive": {"optimizer": 0, "contrastive_optimizer": steps, "probe_optimizer": steps},
+        "named": {"optimizer": steps},
     }[name]
     assert iterations == expected
     for opt in m["optimizers"].values():  # each optimizer's own rate x 2 after the warmup
@@ -289,12 +321,18 @@ def test_models_that_customize_fit_train_on_two_ranks_to_one_weights_digest(corp
             assert opt["lr_final"] == pytest.approx(2 * opt["lr_single_worker"])
     logs = {"vae": {"loss", "kl_loss"}, "gan": {"d_loss", "g_loss"}, "wgan": {"d_loss", "g_loss"},
             "distiller": {"sparse_categorical_accuracy"},
-            "contrastive": {"c_loss", "p_loss", "p_acc"}}[name]  # fmt: skip
+            "contrastive": {"c_loss", "p_loss", "p_acc"},
+            "named": {"loss", "accuracy", "val_loss", "val_accuracy"}}[name]  # fmt: skip
     assert logs <= set(m["history"]) and all(len(v) == 2 for v in m["history"].values())
     if name in ("distiller", "contrastive"):  # their own test_step, each sample once
         accuracy = "sparse_categorical_accuracy" if name == "distiller" else "p_acc"
         assert 0 <= m["test"][accuracy] <= 1
-    assert os.path.exists(out / "ck" / name / "model.weights.h5")  # classes of their own
+        assert "c_loss" not in m["test"]  # what its test_step leaves alone is left out
+    if name == "named":  # a dict of inputs, sample weights: Keras's own steps
+        assert m["test_samples"] == 64 and m["test"]["accuracy"] > 0.3
+        assert os.path.exists(out / "ck" / name / "model.keras")
+    else:  # classes of their own
+        assert os.path.exists(out / "ck" / name / "model.weights.h5")
 
 
 @pytest.mark.parametrize(

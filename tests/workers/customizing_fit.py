@@ -407,6 +407,27 @@ def build_contrastive():
     return model
 
 
+# -- Named inputs: a dict of arrays, as model.fit(x={...}, y=...) takes it ------------------
+def build_named():
+    num, cat = K.Input((4,), name="num"), K.Input((1,), name="cat")
+    h = K.layers.Concatenate()([num, K.layers.Flatten()(K.layers.Embedding(8, 2)(cat))])
+    model = K.Model({"num": num, "cat": cat}, K.layers.Dense(4)(h))
+    model.compile(
+        optimizer=K.optimizers.Adam(1e-2),
+        loss=K.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def named_arrays(n, seed):
+    rng = np.random.default_rng(seed)
+    cat = rng.integers(0, 8, (n, 1))
+    num = rng.normal(size=(n, 4)).astype("float32")
+    y = (cat[:, 0] % 4 + (num[:, 0] > 1)) % 4
+    return {"num": num, "cat": cat}, y, (1.0 + (y == 0)).astype("float32")
+
+
 # -- Flawed on purpose ----------------------------------------------------------------------
 def build_drift():
     """A regression whose train_step also moves a weight by this rank's own error, from its
@@ -437,6 +458,7 @@ BUILDERS = {
     "wgan": build_wgan,
     "distiller": build_distiller,
     "contrastive": build_contrastive,
+    "named": build_named,
     "drift": build_drift,
     "hidden": lambda: build_gan(keep_d_optimizer=False),
 }
@@ -447,6 +469,9 @@ def data_for(name, train=256, test=64):
     xt, yt = images(test, 1)
     if name in ("vae", "gan", "wgan", "hidden"):  # fit(x): inputs alone
         return hvdtrain.ArrayData(x)
+    if name == "named":  # with sample weights, in training and in the test set
+        x, y, w = named_arrays(train, 0)
+        return hvdtrain.ArrayData(x, y, test=named_arrays(test, 1), sample_weight=w)
     if name == "drift":
         return hvdtrain.ArrayData(x, y.astype("float32"))
     return hvdtrain.ArrayData(x, y, test=(xt, yt))
