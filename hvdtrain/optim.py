@@ -147,22 +147,27 @@ class WarmupSchedule(WarmupMath, tf.keras.optimizers.schedules.LearningRateSched
 
 
 def single_worker_lr(keras_property):
-    """The `learning_rate` (and `lr`) property of a distributed optimizer class over a
-    `WarmupSchedule`: what a callback reads and sets is the single-worker rate (as on one
-    device: `ReduceLROnPlateau` halves it, `LearningRateScheduler` sets it), and the rate
-    applied stays that x ranks after the warmup. Inside the optimizer's own update (`apply`
-    sets `_hvdtrain_applying`) it is Keras's property: the rate applied. `keras_property` is
-    the class's own."""
+    """The `learning_rate` (and `lr`) property of a distributed optimizer class: Keras's
+    (`keras_property`), but for an optimizer over a `WarmupSchedule` that `show_single_worker_lr`
+    marked (`hvdtrain.fit`'s): there what a callback reads and sets is the single-worker rate
+    (as on one device: `ReduceLROnPlateau` halves it, `LearningRateScheduler` sets it), and the
+    rate applied stays that x ranks after the warmup. Inside the optimizer's own update
+    (`apply` sets `_hvdtrain_applying`) it is Keras's property: the rate applied."""
+
+    def steered(self):
+        schedule = getattr(self, "_learning_rate", None)
+        single = self._hvdtrain_single_worker and not self._hvdtrain_applying
+        return schedule if single and isinstance(schedule, WarmupMath) else None
 
     def get(self):
-        schedule = getattr(self, "_learning_rate", None)
-        if self._hvdtrain_applying or not isinstance(schedule, WarmupMath):
+        schedule = steered(self)
+        if schedule is None:
             return keras_property.fget(self)
         return schedule.single_worker(self.iterations)
 
     def set(self, value):
-        schedule = getattr(self, "_learning_rate", None)
-        if not isinstance(schedule, WarmupMath) or _schedules_of(value) is not None:
+        schedule = steered(self)
+        if schedule is None or _schedules_of(value) is not None:
             keras_property.fset(self, value)
         else:
             schedule.set_single_worker(value)
@@ -173,6 +178,15 @@ def single_worker_lr(keras_property):
 def class_attribute(cls, name):
     """`name` as `cls` defines it or inherits it (a property itself, not its value)."""
     return next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
+
+
+def show_single_worker_lr(optimizer):
+    """Makes `optimizer` (a distributed one, or a loss-scale one around it) show and take the
+    single-worker rate of its `WarmupSchedule` as its `learning_rate` (`single_worker_lr`):
+    what `hvdtrain.fit` does, so that Keras's callbacks steer it as on one device."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._hvdtrain_single_worker = True
+    return optimizer
 
 
 def applying(apply):
@@ -285,6 +299,7 @@ def _averaging_where_applied(made):
         apply_gradients=applying(apply_gradients),
         _hvdtrain_reduced=False,
         _hvdtrain_applying=False,
+        _hvdtrain_single_worker=False,
     )
     keras_lr = class_attribute(horovod, "learning_rate")
     if isinstance(keras_lr, property):  # (legacy optimizers keep theirs)

@@ -668,7 +668,7 @@ def _float32_outputs(model, frontend):
         return model
     wrapped = frontend.float32_outputs(model)
     wrapped.compile(
-        optimizer=opt,
+        optimizer=model.optimizer,  # as compiled (under float16, the loss-scale one Keras made)
         loss=config.get("loss"),
         metrics=config.get("metrics"),
         loss_weights=config.get("loss_weights"),

@@ -17,7 +17,7 @@ import tensorflow as tf
 from conftest import ROOT, job_env, run_job, worker
 
 import hvdtrain
-from hvdtrain import prepare, usercallbacks
+from hvdtrain import optim, prepare, usercallbacks
 from hvdtrain.errors import HvdtrainError
 
 WORKER = worker("customizing_fit.py")
@@ -139,13 +139,15 @@ def test_a_model_with_no_way_to_train_is_refused_in_one_line_saying_which(versio
 
 @pytest.mark.parametrize("version", ["2", "3"])
 def test_callbacks_read_and_set_the_single_worker_rate_and_updates_apply_it_x_ranks(version):
-    k = _keras(version)
-    from hvdtrain import frontends
+    import importlib
 
-    frontend = frontends.keras2 if version == "2" else frontends.keras3
+    k = _keras(version)
+    frontend = importlib.import_module(f"hvdtrain.frontends.keras{version}")
     schedule = frontend.WarmupSchedule(0.002, 4, 0)
     opt = hvdtrain.distributed_optimizer(k.optimizers.SGD(schedule))
     opt.learning_rate = schedule
+    assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.008)  # Keras's: applied
+    optim.show_single_worker_lr(opt)  # as hvdtrain.fit shows it to Keras's callbacks
     w = tf.Variable([0.0]) if version == "2" else k.Variable([0.0])
     opt.build([w])
     assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.002)  # what a callback reads

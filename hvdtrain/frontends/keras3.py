@@ -227,6 +227,7 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             "build": build,
             "learning_rate": optim.single_worker_lr(keras_lr),
             "_hvdtrain_applying": False,
+            "_hvdtrain_single_worker": False,
             "_hvdtrain_distributed": True,
             "__module__": __name__,
         },
