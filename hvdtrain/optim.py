@@ -259,6 +259,9 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     if backward_passes_per_step > 1:
         kwargs["backward_passes_per_step"] = backward_passes_per_step
         kwargs.setdefault("average_aggregated_gradients", True)
+        # An Embedding's gradient is IndexedSlices, which Horovod's local sums refuse ("not
+        # supported when backward_passes_per_step > 1 and sparse_as_dense is False").
+        kwargs.setdefault("sparse_as_dense", True)
     return _averaging_where_applied(hvd_keras.DistributedOptimizer(optimizer, **kwargs))
 
 
