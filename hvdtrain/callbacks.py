@@ -92,7 +92,11 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
                 path = self.manager.save(
                     epoch, self._extra(), step=step, history=self.history, **self.fields
                 )
-                log.info("saved checkpoint %s (epoch %d, step %d)", path, epoch + 1, step)
+                # The folder is named by the epochs done (epoch-0001-step-000050: after
+                # epoch 1, 50 steps into epoch 2): the line says both.
+                done = f"after epoch {epoch}, " if epoch else ""
+                log.info("saved checkpoint %s (%s%d steps into epoch %d)", path, done, step,
+                         epoch + 1)  # fmt: skip
 
     def on_epoch_end(self, epoch, logs=None):
         if self.steps_per_epoch:
@@ -282,6 +286,7 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         self.epochs, self.steps, self.global_batch = epochs, steps_per_epoch, global_batch
         self.start_step = start_step
         self._shown = 0.0
+        self._traced = False  # the first execution of a process traces and compiles
 
     def _write(self, text):
         self.stream.write(text)
@@ -291,19 +296,25 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         self._epoch, self._done = epoch, 0
         self._offset = max(0, self.start_step - epoch * self.steps)
         self._start = self._shown = self._last = time.perf_counter()
+        self._timed_from = 0  # the steps before the clock started (the traced execution)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.mode == "off" or hvd.rank() != 0:
             return
         self._done = min(batch + 1, self.steps - self._offset)  # Keras 3 names a whole execution
         now = self._last = time.perf_counter()
+        if not self._traced:  # rates from the end of the first execution: not the start-up
+            self._traced = True
+            if self._offset + self._done < self.steps:
+                self._start, self._timed_from = now, self._done
+                return
         if now - self._shown < (0.1 if self.mode == "bar" else self.seconds):
             return
         if self._offset + self._done >= self.steps:
             return  # the epoch's line follows
         self._shown = now
         step = self._offset + self._done
-        rate = self._done * self.global_batch / max(now - self._start, 1e-9)
+        rate = (self._done - self._timed_from) * self.global_batch / max(now - self._start, 1e-9)
         eta = (self.steps - step) * self.global_batch / max(rate, 1e-9)
         loss = f", loss {float(logs['loss']):.4f}" if logs and "loss" in logs else ""
         head = f"epoch {self._epoch + 1}/{self.epochs}"
@@ -324,11 +335,14 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         if self.mode == "off" or hvd.rank() != 0:
             return
         seconds = self._last - self._start  # the steps' time: not averaging, evaluation
-        rate = self._done * self.global_batch / max(seconds, 1e-9)
+        timed = self._done - self._timed_from
+        rate = timed * self.global_batch / max(seconds, 1e-9)
+        # The first epoch of a process: its first execution (tracing, compiling) left out.
+        after = f" after the first {self._timed_from}" if self._timed_from else ""
         figures = " - ".join(f"{k} {_short(v)}" for k, v in (logs or {}).items())
         end = "\r\x1b[K" if self.mode == "bar" else ""
         self._write(
-            f"{end}hvdtrain: epoch {epoch + 1}/{self.epochs}: {self._done} steps in "
+            f"{end}hvdtrain: epoch {epoch + 1}/{self.epochs}: {timed} steps{after} in "
             f"{seconds:.1f} s, {rate:,.0f} samples/s; {figures}\n"
         )
 

@@ -354,16 +354,17 @@ class DatasetData(Data):
 
         def make_dataset(rank, size, seed, epoch):
             files = tf.data.Dataset.list_files("data/*.csv", shuffle=False)
-            ds = files.shard(size, rank)                  # shard first ...
-            ds = ds.interleave(tf.data.TextLineDataset).map(parse)
-            return ds.shuffle(10_000, seed=seed + epoch)  # ... then shuffle: samples, unbatched
+            ds = files.interleave(tf.data.TextLineDataset).shard(size, rank)  # shard first ...
+            return ds.map(parse).shuffle(10_000, seed=seed + epoch)  # ... then shuffle
 
         hvdtrain.fit(build_model, hvdtrain.DatasetData(make_dataset, num_samples=50_000))
 
     `make_dataset` returns this rank's samples for one epoch, unbatched; hvdtrain batches
     them and takes `steps_per_epoch` batches (the same on every rank: (num_samples // ranks)
-    // batch). A rank whose dataset ends sooner stops the job with an error naming it,
-    instead of leaving the others waiting. For an exact resume, the dataset must depend only
+    // batch). Shard the samples as above, or the files only where they divide evenly: three
+    files of 600 samples sharded over 2 ranks give one rank 1,200 and the other 600. A rank
+    whose dataset ends sooner stops the job with an error naming it, instead of leaving the
+    others waiting. For an exact resume, the dataset must depend only
     on its arguments (seed the shuffles with them).
 
     Args:

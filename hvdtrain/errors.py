@@ -15,6 +15,7 @@ __all__ = [
     "one_line",
     "env_rank",
     "exit_with_error",
+    "write_line",
     "report_uncaught",
     "note_ending",
     "ENDING_DIR_ENV",
@@ -108,6 +109,15 @@ def env_rank():
     return 0
 
 
+def write_line(text, stream=None):
+    """Writes `text` and its line end in one write, then flushes: with unbuffered output
+    (PYTHONUNBUFFERED) print()'s two writes reach mpirun --tag-output and horovodrun as two
+    pieces, and another rank's line could land between the text and its line end."""
+    stream = stream or sys.stderr
+    stream.write(f"{text}\n")
+    stream.flush()
+
+
 def exit_with_error(prog, error, code=None):
     """Prints `error` once (see `HvdtrainError.every_rank`) and exits with `code` (default:
     the error's `exit_code`, else 2)."""
@@ -116,10 +126,7 @@ def exit_with_error(prog, error, code=None):
     rank = env_rank()
     if rank == 0 or not getattr(error, "every_rank", True):
         where = f" [rank {rank}]" if rank else ""
-        # One write, newline included: with unbuffered output (PYTHONUNBUFFERED) print()'s
-        # two writes reach mpirun --tag-output as two tagged pieces.
-        sys.stderr.write(f"{prog}{where}: error: {error}\n")
-        sys.stderr.flush()
+        write_line(f"{prog}{where}: error: {error}")
     elif _env_size() > 1:
         # The others leave the printing to rank 0, and give it time to: mpirun and
         # horovodrun end the whole job as soon as one rank exits non-zero, which could

@@ -64,8 +64,9 @@ def export_model(model, build_fn, path, policy=None):
     """Saves `model`'s weights in a fresh copy from `build_fn()` that plain Keras loads; on
     rank 0 only (the others return None, writing nothing).
 
-    The copy has no Horovod optimizer, so `tf.keras.models.load_model(path)` works without
-    Horovod installed; it is built in float32 when `model` was trained under the mixed
+    The copy has no Horovod optimizer, so plain Keras loads it without Horovod installed
+    (a Keras 2 model's: `tf_keras.models.load_model(path)`, or `tf.keras` under
+    TF_USE_LEGACY_KERAS=1); it is built in float32 when `model` was trained under the mixed
     precision `policy`. A model of a class of your own (one that customizes `fit`: a GAN, a
     VAE) is saved as its weights, `<path without suffix>.weights.h5`, which
     `build_model().load_weights(path)` loads (the path written is returned). The format
@@ -95,6 +96,8 @@ def export_model(model, build_fn, path, policy=None):
     else:
         plain = build_fn()
     plain.set_weights(model.get_weights())
+    if getattr(plain, "optimizer", None) is not None:  # its slots, so that it loads as saved
+        plain.optimizer.build(plain.trainable_variables)  # (no "Skipping variable loading")
     save = plain.save
     if type(plain).__module__.partition(".")[0] not in ("keras", "tf_keras"):
         # A model class of the user's own (a GAN, a VAE): Keras loads it whole only with its

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain import compat, tuning
-from hvdtrain.errors import HvdtrainError, invalid_value, note_ending
+from hvdtrain.errors import HvdtrainError, invalid_value, note_ending, write_line
 
 __all__ = [
     "init",
@@ -283,7 +283,7 @@ def _name_failures(rank):
             text = f"failed: {kind.__name__}" + (f": {first.strip()[:300]}" if first else "")
         line = f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}"
         note_ending(line + "\n")
-        print(line, file=sys.stderr, flush=True)
+        write_line(line)
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook

@@ -5,9 +5,8 @@ by one rank per host, or a fallback (embedded or synthetic data). Used by the en
 
 import os
 import socket
-import sys
 
-from hvdtrain.errors import one_line
+from hvdtrain.errors import one_line, write_line
 
 __all__ = ["keras_datasets_dir", "choose_source"]
 
@@ -50,7 +49,7 @@ def choose_source(data_dir, cache_path, download, fallback, prog):
         except Exception as e:  # offline, refused, damaged: fall back below
             # The whole reason, on one line (Keras wraps the URL error in a long message).
             reason = one_line(" ".join(str(e).split())) if str(e).strip() else type(e).__name__
-            print(f"{prog}: download failed ({reason}); using {fallback}", file=sys.stderr)
+            write_line(f"{prog}: download failed ({reason}); using {fallback}")
             ok = False
         finally:
             socket.setdefaulttimeout(previous)

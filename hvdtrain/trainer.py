@@ -490,7 +490,7 @@ class Run:
                 )
             self.user.end()  # their on_train_end: EarlyStopping's best weights back
         except Exception as e:
-            raise _explained(e, self.place.rank) from None
+            raise _explained(e, self.place.rank, self.data) from None
 
     def _checkpoint_extra(self):
         """What a checkpoint records of the callbacks' steering: a stop (at this epoch's
@@ -694,17 +694,19 @@ def _reason(error):
     return getattr(error, "strerror", None) or (str(error).splitlines() or [repr(error)])[0]
 
 
-def _explained(error, rank):
+def _explained(error, rank, data=None):
     """A training error with what the user can do about it, or the error itself."""
     import tensorflow as tf
 
     text = str(error)
     if isinstance(error, tf.errors.FailedPreconditionError) and "expected to contain" in text:
         got = text.split("contained only", 1)[-1].strip().split(" ")[0]
+        fn = getattr(getattr(data, "train_fn", None), "__name__", None) or "train_fn"
         return HvdtrainError(
             f"rank {rank}'s data ran out: a dataset gave {got} samples where the epoch needs "
-            "more; make `train_fn` give at least (num_samples // ranks // batch) x batch (or "
-            "lower num_samples), and leave data files as they were when counted",
+            f"more; make `{fn}` give every rank at least (num_samples // ranks // batch) x "
+            "batch samples (shard the samples, or files only where they divide evenly among "
+            "the ranks), or lower num_samples; and leave data files as they were when counted",
             every_rank=False,
         )
     return error

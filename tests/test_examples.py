@@ -140,14 +140,14 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
     try:
         for line in job.stdout:  # the checkpoint 20 steps into epoch 1, then the kill
             lines.append(line)
-            if "saved checkpoint" in line and "(epoch 1, step 20)" in line:
+            if "saved checkpoint" in line and "(20 steps into epoch 1)" in line:
                 os.killpg(job.pid, signal.SIGKILL)
                 break
         job.wait(timeout=JOB_TIMEOUT)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert any("(epoch 1, step 20)" in line for line in lines), "".join(lines[-40:])
+    assert any("(20 steps into epoch 1)" in line for line in lines), "".join(lines[-40:])
     assert sorted(os.listdir(data)) == ["test-0.tfrecord"] + [
         f"train-{i}.tfrecord" for i in range(6)
     ]
