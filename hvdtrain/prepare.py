@@ -17,12 +17,14 @@ config) that averages the gradients over the ranks wherever they are applied (Ke
 `train_step`, or `apply_gradients` / `apply` in a `train_step` of the model's own), with its
 single-worker learning rate (its own, or `--lr` for every optimizer) x ranks after the
 warmup, its accumulation, float16 compression and, under `--mixed-precision float16`, loss
-scaling. Its slots are made for the model's trainable variables, so that its state can be
-broadcast and restored before the first step.
+scaling; Keras's callbacks read and set its single-worker rate (`hvdtrain.usercallbacks`).
+Its slots are made for the trainable variables of the model that holds it, so that its state
+can be broadcast and restored before the first step.
 
 Refused in one line, before training: a model that is not compiled; one with nothing to
-train on (no loss in `compile`, no `add_loss`, and Keras's own `train_step`); an optimizer
-already distributed (Horovod's `DistributedOptimizer`: hvdtrain adds its own).
+train on (no loss in `compile`, no `add_loss`, and Keras's own `train_step`); a layer not
+built yet (its weights would appear after the broadcast); an optimizer already distributed
+(Horovod's `DistributedOptimizer`: hvdtrain adds its own).
 """
 
 import dataclasses

@@ -131,7 +131,9 @@ def test_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(keras, co
 @pytest.mark.parametrize("keras", ["3"])  # the rule is the trainer's; Keras 2: test_elastic.py
 def test_resume_on_another_number_of_ranks_rescales_the_step(keras, tmp_path):
     args, ckpt, metrics = _job(2, tmp_path, "elastic", keras=keras)
-    _run_until(launch_argv(2, "gloo") + [sys.executable, *args], r"\(epoch 1, step 8\)", str(ckpt))
+    _run_until(
+        launch_argv(2, "gloo") + [sys.executable, *args], r"\(8 steps into epoch 1\)", str(ckpt)
+    )
     proc = run_job(1, "none", args)
     m = json.loads(metrics.read_text())
     # 8 steps x 64 samples on 2 ranks = 16 steps x 32 samples on 1 rank, of 32 per epoch.
