@@ -23,6 +23,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import watchdog
 from hvdtrain.errors import HvdtrainError
 
 __all__ = ["RanksDisagree", "weights_checksums", "check_weights_agree", "WeightsAgreeCallback"]
@@ -51,6 +52,7 @@ def check_weights_agree(model, when="now"):
     if hvd.size() == 1:
         return
     mine = weights_checksums(model)
+    watchdog.waiting(f"comparing the ranks' weights {when}")
     gathered = hvd.allgather_object([c for _, c in mine], name="hvdtrain.weights_agree")
     differ = sorted(
         {

@@ -63,6 +63,7 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         self.steps_per_epoch, self.every_steps = steps_per_epoch, every_steps
         self.start_step = self.global_step = start_step
         self._first = self._offset = 0
+        self._last = None  # (epoch, extra, logs) of the last epoch-end checkpoint
 
     def on_epoch_begin(self, epoch, logs=None):
         # `fit` numbers batches from where it started: mid-epoch after a resume.
@@ -106,10 +107,21 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             self.history.setdefault(k, []).append(v)
         if hvd.rank() != 0:
             return
-        path = self.manager.save(
-            epoch + 1, self._extra(), logs=logs, history=self.history, **self.fields
-        )
+        extra = self._extra()
+        path = self.manager.save(epoch + 1, extra, logs=logs, history=self.history, **self.fields)
+        self._last = (epoch + 1, extra, logs)
         log.info("saved checkpoint %s (epoch %d)", path, epoch + 1)
+
+    def rewrite_last(self):
+        """Rank 0 writes the last epoch-end checkpoint again with the model's weights as they
+        are now (EarlyStopping's `restore_best_weights` put the best back after it)."""
+        if hvd.rank() != 0 or self._last is None:
+            return
+        epoch, extra, logs = self._last
+        path = self.manager.save(epoch, extra, logs=logs, history=self.history, replace=True,
+                                 **self.fields)  # fmt: skip
+        log.info("saved checkpoint %s again (epoch %d), with the weights a callback restored",
+                 path, epoch)  # fmt: skip
 
     def _extra(self):
         return self.extra() if self.extra is not None else None

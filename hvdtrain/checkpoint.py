@@ -317,11 +317,12 @@ class CheckpointManager:
         return tf.train.Checkpoint(model=self.model, optimizer=optimizers, **extras)
 
     # -- writing ------------------------------------------------------------------------
-    def save(self, epoch, extra=None, step=0, **fields):
+    def save(self, epoch, extra=None, step=0, replace=False, **fields):
         """Writes a checkpoint atomically and returns its path: after `epoch` completed
         epochs and `step` steps into the next one. `fields` fill the `Manifest` (size,
         global_batch, steps_per_epoch, prog, logs, data, history); `extra` goes to its
-        `extra`."""
+        `extra`. With `replace`, a complete checkpoint of the same epoch and step is
+        replaced (set aside until the new one is in place, then deleted)."""
         name = f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
@@ -351,10 +352,14 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
+            aside = None
             if os.path.exists(final):  # a damaged checkpoint of this epoch: keep it aside
-                os.replace(final, f"{final}.damaged-{int(time.time())}")
+                aside = f"{final}.{'replaced' if replace else 'damaged'}-{int(time.time())}"
+                os.replace(final, aside)
             os.replace(tmp, final)
             _fsync_dir(self.directory)
+            if replace and aside:
+                shutil.rmtree(aside, ignore_errors=True)
         except (OSError, tf.errors.OpError) as e:  # a full disk, a lost mount, permissions
             shutil.rmtree(tmp, ignore_errors=True)
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0].split("; ")[-1]

@@ -39,6 +39,7 @@ __all__ = [
     "as_data",
     "chain",
     "pack",
+    "structure",
     "num_samples",
 ]
 
@@ -143,10 +144,23 @@ def eval_dataset(x, y, batch_size, rank, size, map_fn=None, sample_weight=None):
 
 def pack(x, y=None, sample_weight=None):
     """A sample as Keras's `fit` gives it to `train_step`: `(x, y)`, `(x, y, sample_weight)`,
-    or `x` alone (a tuple or list `x` as `(x,)`)."""
+    or `x` alone (a tuple or list `x` as `(x,)`). Lists of arrays become tuples (tf.data
+    would stack a list into one tensor), lists of numbers or strings arrays."""
+    x, y, sample_weight = structure(x), structure(y), structure(sample_weight)
     if y is None and sample_weight is None:
-        return (x,) if isinstance(x, tuple | list) else x
+        return (x,) if isinstance(x, tuple) else x
     return (x, y) if sample_weight is None else (x, y, sample_weight)
+
+
+def structure(data):
+    """`data` with its lists of arrays as tuples and its lists of samples as arrays."""
+    if isinstance(data, dict):
+        return {k: structure(v) for k, v in data.items()}
+    if isinstance(data, list | tuple) and not hasattr(data, "_fields"):
+        if _array_like(data):
+            return np.asarray(data)
+        return tuple(structure(v) for v in data)
+    return data
 
 
 def num_samples(data, name):
@@ -296,6 +310,7 @@ class ArrayData(Data):
                     raise invalid_value(
                         name, f"{num_samples(part, name)} samples", f"one per test sample ({m})"
                     )
+        x, y, sample_weight = structure(x), structure(y), structure(sample_weight)
         self.x, self.y, self.test, self.sample_weight = x, y, test, sample_weight
         self.train_map, self.eval_map = train_map, eval_map
         self.source, self.notice = source, notice or source

@@ -410,6 +410,7 @@ def run(recipe):
         global_batch=0,
         started=False,
         resumed=None,
+        stopped=None,  # the epoch after which a callback stopped training: kept by a reset
         ledger=_Record.new_ledger(),
     )
     record = _Record(recipe, state)
@@ -418,8 +419,11 @@ def run(recipe):
     def body(state):
         position = (state.epoch, state.batch, state.global_batch) if state.started else None
         step = recipe.start(position)
+        if state.started:  # (the first start reads it from the checkpoint, if any)
+            recipe.stopped = state.stopped
+        recipe.on_stop = lambda epoch: setattr(state, "stopped", epoch)
         if not state.started:
-            state.started, state.resumed = True, recipe.resumed
+            state.started, state.resumed, state.stopped = True, recipe.resumed, recipe.stopped
         recipe.resumed = state.resumed
         state.epoch, state.batch = divmod(step, recipe.steps)
         state.global_batch = recipe.global_batch

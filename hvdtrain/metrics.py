@@ -34,14 +34,17 @@ def _states(model):
     return [(m.name, [v.numpy() for v in m.variables]) for m in model.metrics if m.variables]
 
 
-def global_results(model, skip_unused=False):
+def global_results(model, keep=None):
     """The model's metric results over every rank: each metric's state (total and count,
     confusion counts, ...) summed over the ranks, then its `result()`. A collective: every
-    rank calls it, with whatever its metrics hold (none if it saw no batch). With
-    `skip_unused`, a metric whose state is all zeros on every rank (one a `test_step` of the
-    model's own never updates) is left out, as Keras's `evaluate` leaves it out."""
-    mine = _states(model)
-    gathered = hvd.allgather_object(mine, name="hvdtrain.metrics") if hvd.size() > 1 else [mine]
+    rank calls it, with whatever its metrics hold (none if it saw no batch). With `keep`
+    (this rank's names of the results to keep: what Keras's `evaluate` returned), only the
+    results some rank keeps: a metric a `test_step` of the model's own never updates is left
+    out, as Keras's `evaluate` leaves it out."""
+    mine = (_states(model), None if keep is None else sorted(keep))
+    pairs = hvd.allgather_object(mine, name="hvdtrain.metrics") if hvd.size() > 1 else [mine]
+    gathered = [states for states, _ in pairs]
+    kept = None if keep is None else {name for _, names in pairs for name in names or ()}
     summed = {}
     for states in gathered:
         for name, arrays in states:
@@ -53,8 +56,6 @@ def global_results(model, skip_unused=False):
             )
     results = {}
     for m in model.metrics:
-        if skip_unused and m.name in summed and not any(np.any(a) for a in summed[m.name]):
-            continue
         if m.name in summed and len(m.variables) == len(summed[m.name]):
             for v, total in zip(m.variables, summed[m.name], strict=True):
                 v.assign(total)
@@ -73,6 +74,8 @@ def global_results(model, skip_unused=False):
             results if hvd.rank() == source else None, root_rank=source, name="hvdtrain.results"
         )
         results = {**taken, **results}
+    if kept is not None:
+        results = {k: v for k, v in results.items() if k in kept}
     # Keras' loss tracker counts samples: its update is weighted by the batch size.
     if len(summed.get("loss", ())) == 2:
         results["samples"] = int(round(float(summed["loss"][1])))
@@ -110,14 +113,15 @@ def evaluate(model, dataset, callbacks=None):
         {"loss": ..., <metric>: ..., "samples": test samples over all ranks}
     """
     model.reset_metrics()
+    returned = {}
     if dataset is not None:
         dataset = sized(dataset, count=_steps_per_execution(model) > 1)
         try:
-            model.evaluate(dataset, verbose=0, callbacks=callbacks)
+            returned = model.evaluate(dataset, verbose=0, callbacks=callbacks, return_dict=True)
         except ValueError as e:  # Keras' answer to a dataset without a single batch
             if "Empty logs" not in str(e):
                 raise
-    results = {"samples": 0, **global_results(model, skip_unused=True)}
+    results = {"samples": 0, **global_results(model, keep=returned or {})}
     model.reset_metrics()
     return results
 
@@ -183,7 +187,7 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
         # tensors: the epoch's last batch's): their mean over the ranks, for every rank alike.
         others = {k: _scalar(v) for k, v in logs.items() if k not in results}
         others = {k: v for k, v in others.items() if v is not None}
-        if others and hvd.size() > 1:
+        if hvd.size() > 1:  # on every rank, whatever its logs hold: a collective
             gathered = hvd.allgather_object(others, name="hvdtrain.other_logs")
             for k in others:
                 values = [g[k] for g in gathered if k in g]

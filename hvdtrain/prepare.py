@@ -23,8 +23,9 @@ can be broadcast and restored before the first step.
 
 Refused in one line, before training: a model that is not compiled; one with nothing to
 train on (no loss in `compile`, no `add_loss`, and Keras's own `train_step`); a layer not
-built yet (its weights would appear after the broadcast); an optimizer already distributed
-(Horovod's `DistributedOptimizer`: hvdtrain adds its own).
+built yet (its weights would appear after the broadcast); a legacy Keras 2 optimizer
+(`tf.keras.optimizers.legacy`); an optimizer already distributed (Horovod's
+`DistributedOptimizer`: hvdtrain adds its own).
 """
 
 import dataclasses
@@ -45,15 +46,12 @@ class Optimizers:
     by_name: dict
     schedules: dict
     classes: dict  # the user's optimizer class names, by the same names
+    reported: str  # the one the run's figures name: see `distribute`
 
     @property
     def main(self):
         """The model's `optimizer` (Keras's own `train_step` uses it), else the first."""
         return next(iter(self.by_name.values()))
-
-    @property
-    def main_schedule(self):
-        return next(iter(self.schedules.values()))
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -112,8 +110,9 @@ def _item_setter(model, name, key):
         holder = getattr(model, name)
         if hasattr(holder, "_fields"):  # a namedtuple
             setattr(model, name, holder._replace(**{holder._fields[key]: value}))
-        elif isinstance(holder, tuple):
-            setattr(model, name, tuple(value if i == key else v for i, v in enumerate(holder)))
+        elif isinstance(holder, list | tuple):  # a new one: Keras 2's ListWrapper refuses to
+            items = [value if i == key else v for i, v in enumerate(holder)]  # be saved once
+            setattr(model, name, tuple(items) if isinstance(holder, tuple) else items)  # changed
         else:
             holder[key] = value
 
@@ -145,6 +144,13 @@ def distribute(model, frontend, cfg, size, policy=None, log=None):
     for key, wheres in places.items():
         user = frontend.unwrapped(objects[key])
         name, _, owner = wheres[0]
+        if isinstance(user, frontend.LEGACY_OPTIMIZERS):
+            raise invalid_value(
+                f"build_model ({name})",
+                f"a legacy optimizer (tf.keras.optimizers.legacy.{type(user).__name__})",
+                "an optimizer of tf.keras.optimizers (e.g. tf.keras.optimizers.Adam): hvdtrain "
+                "makes its state before the first step, which legacy optimizers cannot",
+            )
         if frontend.is_distributed(user):
             raise invalid_value(
                 f"build_model ({name})",
@@ -173,7 +179,13 @@ def distribute(model, frontend, cfg, size, policy=None, log=None):
         for _, put, _ in wheres:
             put(opt)
         by_name[name], schedules[name], classes[name] = opt, schedule, type(user).__name__
-    return Optimizers(by_name, schedules, classes)
+    # The run's figures (lr_base, lr_final, optimizer_iterations) name `model.optimizer`,
+    # unless it is an RMSprop (what Keras's `compile()` sets when given none) beside
+    # optimizers of the model's own (a GAN's, which never steps it): then the first of those.
+    names = list(by_name)
+    default = names[0] == "optimizer" and classes["optimizer"] == "RMSprop"
+    reported = names[1] if default and len(names) > 1 else names[0]
+    return Optimizers(by_name, schedules, classes, reported)
 
 
 def _check_trainable(model, frontend):

@@ -146,6 +146,8 @@ class Run:
         self.class_weight = None
         self.user = None  # the user's callbacks, one training for all the run's fits
         self.stopped = None  # the epoch after which a callback stopped training (0-based)
+        self.on_stop = None  # `(epoch) -> None`, told when the ranks agree to stop
+        self.checkpointer = None
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
@@ -187,7 +189,9 @@ class Run:
         if xla:
             self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
         self.model, self.opt = model, self.optimizers.main
-        self.schedule = self.optimizers.main_schedule
+        # The optimizer the run's figures name (a GAN's first, not Keras's unused default).
+        self.reported = self.optimizers.by_name[self.optimizers.reported]
+        self.schedule = self.optimizers.schedules[self.optimizers.reported]
         self.manager = None
         if cfg.checkpoint_dir:
             self.manager = CheckpointManager(
@@ -346,7 +350,9 @@ class Run:
         self.user.for_rank(p.rank)  # after an elastic reset rank 0 may be another worker
         self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
         rates = [s.rate for s in self.optimizers.schedules.values() if s.rate is not None]
-        self.steering = usercallbacks.AgreedSteering(rates, self.user.stops_in_epochs)
+        self.steering = usercallbacks.AgreedSteering(
+            rates, self.user.stops_in_epochs, on_stop=self.on_stop
+        )
         out = [
             self.watchdog,
             # Horovod: BatchNorm statistics are per rank; average them before anything reads them.
@@ -387,20 +393,19 @@ class Run:
                 "prog": self.prog,
                 "data": {"source": self.data.source, "samples": self.data.num_samples},
             }
-            out.append(
-                cb.CheckpointCallback(
-                    self.manager,
-                    fields,
-                    steps,
-                    cfg.checkpoint_every,
-                    self.start_step,
-                    history=self.history,
-                    extra=self._checkpoint_extra,
-                    check=lambda: agreement.check_weights_agree(
-                        self.model, "before a mid-epoch checkpoint"
-                    ),
-                )
+            self.checkpointer = cb.CheckpointCallback(
+                self.manager,
+                fields,
+                steps,
+                cfg.checkpoint_every,
+                self.start_step,
+                history=self.history,
+                extra=self._checkpoint_extra,
+                check=lambda: agreement.check_weights_agree(
+                    self.model, "before a mid-epoch checkpoint"
+                ),
             )
+            out.append(self.checkpointer)
         if commit is not None:
             out.append(commit)
         return out + cb.rank0_callbacks(cfg.log_dir, self.keras.tensorboard) + list(extra)
@@ -488,9 +493,20 @@ class Run:
                 self.log.info(
                     "already trained %d of %d epochs; evaluating only", start // steps, cfg.epochs
                 )
-            self.user.end()  # their on_train_end: EarlyStopping's best weights back
+            self._end_user_callbacks()
         except Exception as e:
             raise _explained(e, self.place.rank, self.data) from None
+
+    def _end_user_callbacks(self):
+        """The user's callbacks' `on_train_end`; when a callback stopped training and then
+        changed the weights (EarlyStopping's `restore_best_weights`), the last checkpoint is
+        written again with them: a rerun of the stopped run evaluates and exports them."""
+        before = None
+        if self.stopped is not None and self.manager and self.place.rank == 0:
+            before = runtime.weights_digest(self.model)
+        self.user.end()
+        if before is not None and runtime.weights_digest(self.model) != before:
+            self.checkpointer.rewrite_last()
 
     def _checkpoint_extra(self):
         """What a checkpoint records of the callbacks' steering: a stop (at this epoch's
@@ -557,9 +573,9 @@ class Run:
             "fp16_allreduce": cfg.fp16_allreduce,
             "lr_base": self.lr_base(),
             "lr_scaled": self.lr_scaled(),
-            "lr_final": float(self.schedule(self.opt.iterations)),
+            "lr_final": float(self.schedule(self.reported.iterations)),
             "warmup_steps": self.warmup_steps,
-            "optimizer_iterations": int(self.opt.iterations),
+            "optimizer_iterations": int(self.reported.iterations),
             "optimizers": {
                 name: {
                     "class": self.optimizers.classes[name],

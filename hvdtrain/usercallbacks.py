@@ -26,12 +26,14 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import watchdog
 from hvdtrain.errors import invalid_value
 
 __all__ = ["rank0_only", "runs_on_rank0_only", "UserCallbacks", "AgreedSteering"]
 
 # Keras's callbacks (either Keras) that write files, print or post: rank 0 only.
 WRITERS = ("ModelCheckpoint", "CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
+BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
 REFUSED = {
     "BackupAndRestore": "no BackupAndRestore: hvdtrain.fit checkpoints and resumes itself "
     "(--checkpoint-dir, and --checkpoint-every N for mid-epoch checkpoints); Keras's would "
@@ -67,7 +69,10 @@ def runs_on_rank0_only(callback):
 
 
 def _overrides(callback, *hooks):
-    """Whether `callback`'s class defines any of `hooks` itself (not Keras's no-op)."""
+    """Whether `callback` defines any of `hooks` itself (not Keras's no-op): its class, or
+    the callback itself (`LambdaCallback(on_batch_end=...)` sets the hook on the object)."""
+    if any(callable(vars(callback).get(hook)) for hook in hooks):
+        return True
     for hook in hooks:
         for k in type(callback).__mro__:
             if hook in k.__dict__:
@@ -101,7 +106,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         self.for_rank(rank)
         # The same on every rank (from the whole list): agreeing costs a collective.
         self.stops_in_epochs = any(
-            _overrides(c, "on_train_batch_end", "on_batch_end")
+            _overrides(c, *BATCH_HOOKS)
             for c in self.all
             if not _keras_classes(c) & set(WRITERS)  # Keras's writers never stop training
         )
@@ -187,9 +192,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         return any(_overrides(c, *hooks) for c in self.callbacks)
 
     def _implements_train_batch_hooks(self):
-        return self._implements(
-            "on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end"
-        )
+        return self._implements(*BATCH_HOOKS)
 
     def _implements_test_batch_hooks(self):
         return self._implements("on_test_batch_begin", "on_test_batch_end")
@@ -205,15 +208,17 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     (`rates`, variables) at each epoch's start and end. The stop it agreed on is `stopped`
     (the epoch, or None)."""
 
-    def __init__(self, rates, within_epochs=False):
+    def __init__(self, rates, within_epochs=False, on_stop=None):
         super().__init__()
-        self.rates, self.within_epochs = list(rates), within_epochs
+        self.rates, self.within_epochs, self.on_stop = list(rates), within_epochs, on_stop
         self.stopped = None
         self._epoch = 0
 
     def _stop_agreed(self):
         mine = bool(getattr(self.model, "stop_training", False))
         if hvd.size() > 1:
+            # Between steps, for the other ranks: a rank stuck on its own is the one named.
+            watchdog.waiting("agreeing with the other ranks whether a callback stopped training")
             flag = tf.constant(int(mine), tf.int32)
             mine = bool(hvd.allreduce(flag, op=hvd.Max, name="hvdtrain.stop_training").numpy())
         self.model.stop_training = mine
@@ -222,6 +227,7 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     def _rates_from_rank0(self):
         if hvd.size() == 1 or not self.rates:
             return
+        watchdog.waiting("taking rank 0's learning rates, set by the callbacks")
         values = tf.stack([tf.cast(r, tf.float64) for r in self.rates])
         values = hvd.broadcast(values, 0, name="hvdtrain.single_worker_lr").numpy()
         for rate, value in zip(self.rates, np.asarray(values), strict=True):
@@ -236,9 +242,14 @@ class AgreedSteering(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.within_epochs and self._stop_agreed():
-            self.stopped = self._epoch
+            self._stop(self._epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._rates_from_rank0()
         if self._stop_agreed():
-            self.stopped = epoch
+            self._stop(epoch)
+
+    def _stop(self, epoch):
+        self.stopped = epoch
+        if self.on_stop is not None:  # (an elastic state keeps it: a reset does not undo it)
+            self.on_stop(epoch)

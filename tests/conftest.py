@@ -80,6 +80,8 @@ def job_env(**extra):
         PATH=BIN + os.pathsep + env.get("PATH", ""),
         PYTHONPATH=ROOT,
     )
+    if env.get("HVDTRAIN_PROBE_LOG"):  # measured by tests/helpers/durations.py
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests", "helpers", "probe"), ROOT])
     env.update(extra)
     return env
 

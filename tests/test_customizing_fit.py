@@ -50,21 +50,28 @@ def _corpus_module(version):
 
 # -- what hvdtrain finds, takes and refuses (one process) ---------------------------------
 @pytest.mark.parametrize("version", ["2", "3"])
-def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version):
+def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version, tmp_path):
     k = _keras(version)
     from hvdtrain import flags, frontends
 
     gan = _corpus_module(version).build_gan()
-    gan.extra = [gan.d_optimizer]  # the same object again, in a list
+    gan.extra = [gan.d_optimizer, gan.g_optimizer]  # the same objects again, in a list
     gan.more = {"probe": k.optimizers.SGD(0.5)}
     gan.generator.compile(optimizer=k.optimizers.Adagrad(0.1), loss="mse")  # compiled alone
     frontend = frontends.for_model(gan)
     found = prepare.find_optimizers(gan, frontend)
-    assert list(found) == ["optimizer", "g_optimizer", "d_optimizer", "extra[0]",
+    assert list(found) == ["optimizer", "g_optimizer", "d_optimizer", "extra[0]", "extra[1]",
                            "more['probe']", "generator.optimizer"]  # fmt: skip
     optimizers = prepare.distribute(gan, frontend, flags.make_config(None), 2)
-    assert list(optimizers.by_name) == [name for name in found if name != "extra[0]"]
+    assert list(optimizers.by_name) == [n for n in found if not n.startswith("extra")]
     assert gan.extra[0] is gan.d_optimizer is optimizers.by_name["d_optimizer"]
+    assert gan.extra[1] is gan.g_optimizer
+    assert optimizers.reported == "g_optimizer"  # not Keras's unused default RMSprop
+    # Checkpointed, the lists whose items were replaced included (Keras 2's ListWrapper
+    # refuses to be saved once an item is replaced in place).
+    from hvdtrain.checkpoint import CheckpointManager
+
+    CheckpointManager(str(tmp_path), gan, optimizers.by_name).save(1)
     assert gan.more["probe"] is optimizers.by_name["more['probe']"]
     assert gan.generator.optimizer is optimizers.by_name["generator.optimizer"]
     assert optimizers.classes == {"optimizer": "RMSprop", "d_optimizer": "Adam",
@@ -108,19 +115,26 @@ def test_a_loss_added_with_add_loss_and_a_learning_rate_scheduler(version, tmp_p
     assert out["lr_final"] == pytest.approx(0.05 / 3)  # x 1 rank
 
 
-@pytest.mark.parametrize("version", ["2", "3"])
+REFUSALS = [
+    ("not compiled", "a model that is not compiled"),
+    ("unbuilt", "layer 'augmenter' is not built"),
+    ("no loss", "nothing to train on (no loss in compile, no add_loss, and Keras's own"),
+]
+
+
 @pytest.mark.parametrize(
-    "case, words",
-    [
-        ("not compiled", "a model that is not compiled"),
-        ("unbuilt", "layer 'augmenter' is not built"),
-        ("no loss", "nothing to train on (no loss in compile, no add_loss, and Keras's own"),
-    ],
+    "version, case, words",
+    [(v, *r) for v in ("2", "3") for r in REFUSALS]
+    + [("2", "legacy", "a legacy optimizer (tf.keras.optimizers.legacy.Adam)")],  # Keras 2's
 )
 def test_a_model_with_no_way_to_train_is_refused_in_one_line_saying_which(version, case, words):
     k = _keras(version)
 
     def build():
+        if case == "legacy":
+            model = k.Sequential([k.Input((3,)), k.layers.Dense(1)])
+            model.compile(optimizer=k.optimizers.legacy.Adam(), loss="mse")
+            return model
         if case == "unbuilt":
             model = _corpus_module(version).build_contrastive()
             model.augmenter = k.Sequential([k.layers.GaussianNoise(0.1)], name="augmenter")
@@ -134,7 +148,7 @@ def test_a_model_with_no_way_to_train_is_refused_in_one_line_saying_which(versio
     with pytest.raises(HvdtrainError) as e:
         hvdtrain.fit(build, (x, x[:, 0]), epochs=1, batch_size=4)
     assert words in str(e.value) and "\n" not in str(e.value)
-    assert str(e.value).startswith("Invalid value for `build_model`")
+    assert str(e.value).startswith("Invalid value for `build_model")
 
 
 @pytest.mark.parametrize("version", ["2", "3"])
@@ -186,6 +200,9 @@ def test_writers_run_on_rank_0_only_steerers_everywhere_and_backup_is_refused(ve
     assert usercallbacks.UserCallbacks(writers + steerers, 0).callbacks == writers + steerers
     assert usercallbacks.UserCallbacks(steerers, 1).stops_in_epochs  # TerminateOnNaN
     assert not usercallbacks.UserCallbacks(writers + steerers[:-1], 1).stops_in_epochs
+    for hook in ("on_batch_end", "on_train_batch_begin"):  # hooks set on the object itself
+        lam = k.callbacks.LambdaCallback(**{hook: lambda batch, logs: None})
+        assert usercallbacks.UserCallbacks([lam], 1).stops_in_epochs, hook
     with pytest.raises(HvdtrainError, match="received 'BackupAndRestore'.*checkpoints and resumes"):
         usercallbacks.UserCallbacks([k.callbacks.BackupAndRestore(str(tmp_path / "b"))], 0)
 
@@ -235,6 +252,20 @@ def test_a_model_class_of_its_own_is_exported_as_weights_that_load(version, tmp_
     fresh.load_weights(path)
 
 
+def test_evaluation_keeps_a_metric_that_counted_nothing():
+    """A false-positive count of 0 is a result (not a metric the test_step left alone)."""
+    import tensorflow as tf
+
+    never = tf.keras.initializers.Constant(-5.0)  # predicts 0 for every sample
+    dense = tf.keras.layers.Dense(1, "sigmoid", kernel_initializer="zeros", bias_initializer=never)
+    model = tf.keras.Sequential([tf.keras.Input((2,)), dense])
+    model.compile(optimizer="sgd", loss="binary_crossentropy",
+                  metrics=[tf.keras.metrics.FalsePositives(name="fp")])  # fmt: skip
+    x, y = np.zeros((8, 2), "float32"), np.zeros(8, "float32")
+    got = hvdtrain.evaluate(model, hvdtrain.eval_dataset(x, y, 4, 0, 1))
+    assert got["fp"] == 0.0 and got["samples"] == 8
+
+
 # -- ArrayData takes what Keras's fit takes (one process) ---------------------------------
 def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
     n = 10
@@ -253,6 +284,11 @@ def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
     assert isinstance(alone, tf.Tensor) and alone.shape == (2, 3)
     pair = next(iter(hvdtrain.train_dataset((np.zeros((4, 3)), np.ones((4, 1))), None, 2, 0, 1)))
     assert isinstance(pair, tuple) and len(pair) == 1 and len(pair[0]) == 2
+    # fit([a, b], y): a list of inputs of different shapes stays two inputs (tf.data would
+    # stack a list into one tensor); a list of labels is an array.
+    listed = next(iter(hvdtrain.train_dataset([np.zeros((4, 3)), np.ones((4, 1))], [0, 1, 2, 3],
+                                              2, 0, 1)))  # fmt: skip
+    assert [t.shape for t in listed[0]] == [(2, 3), (2, 1)] and listed[1].shape == (2,)
     data = hvdtrain.ArrayData(x, y, test=(x, y, w), sample_weight=w)
     assert data.num_samples == n and len(next(iter(data.eval_dataset(4, _place())))) == 3
 
@@ -318,6 +354,8 @@ def test_models_that_customize_fit_train_on_two_ranks_to_one_weights_digest(corp
         "named": {"optimizer": steps},
     }[name]
     assert iterations == expected
+    reported = list(iterations)[1] if len(iterations) > 1 else "optimizer"  # not the default
+    assert m["optimizer_iterations"] == iterations[reported]
     for opt in m["optimizers"].values():  # each optimizer's own rate x 2 after the warmup
         if opt["iterations"] >= m["steps_per_epoch"]:
             assert opt["lr_final"] == pytest.approx(2 * opt["lr_single_worker"])
@@ -401,10 +439,13 @@ def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
     single = m["optimizers"]["optimizer"]["lr_single_worker"]
     assert single == pytest.approx(2.5e-4) and m["lr_final"] == pytest.approx(2 * single)
     assert "training stopped by a callback after epoch 3" in run.stderr
-    # The same command again: the stop is in the checkpoint; nothing more is trained.
+    best = m["ranks"][0]["weights_digest"]  # EarlyStopping put the best epoch's back
+    # The same command again: the stop is in the checkpoint; nothing more is trained, and
+    # the weights are those the stopped run ended with (its last checkpoint written again).
     again = _train(2, backend, ours, *args)
     assert "a callback stopped training after epoch 3 (in the checkpoint)" in again.stderr
     m = _metrics(ours, "vae")
+    assert m["ranks"][0]["weights_digest"] == best
     assert m["stopped_early"] == 3 and m["optimizer_iterations"] == 3 * m["steps_per_epoch"]
     assert m["optimizers"]["optimizer"]["lr_single_worker"] == pytest.approx(2.5e-4)
     if version == "2":  # asking for more epochs than the stopped run did trains on

@@ -14,6 +14,7 @@ __all__ = [
     "check",
     "compiled",
     "OPTIMIZER_TYPES",
+    "LEGACY_OPTIMIZERS",
     "unwrapped",
     "is_compiled",
     "compiled_loss",
@@ -41,7 +42,16 @@ keras = tf.keras
 PACKAGE = keras.Model.__module__.partition(".")[0]  # tf_keras (Keras 2.15: keras itself)
 WarmupSchedule = optim.WarmupSchedule
 is_distributed = optim.is_distributed
-distributed_optimizer = optim.distributed_optimizer
+
+
+def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1):
+    """`hvdtrain.distributed_optimizer` as `hvdtrain.fit` makes it: an Embedding's sparse
+    gradients averaged dense, so that every rank applies them with the same dense update
+    (a sparse update on a GPU adds in no fixed order: the ranks' weights would differ in
+    their last bits, and the check that they agree would stop the run)."""
+    return optim.distributed_optimizer(
+        optimizer, compression, backward_passes_per_step, sparse_as_dense=True
+    )
 
 
 def owns(model):
@@ -61,8 +71,11 @@ def compiled(model):
     return config, opt
 
 
-# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them).
+# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them), and what
+# it refuses of them (the legacy ones have no `build`: their slots cannot exist before the
+# first step, for the broadcast and the restore).
 OPTIMIZER_TYPES = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
+LEGACY_OPTIMIZERS = (tf.keras.optimizers.legacy.Optimizer,)
 
 
 def unwrapped(opt):

@@ -23,6 +23,7 @@ __all__ = [
     "check",
     "compiled",
     "OPTIMIZER_TYPES",
+    "LEGACY_OPTIMIZERS",
     "unwrapped",
     "is_compiled",
     "compiled_loss",
@@ -90,6 +91,7 @@ def compiled(model):
 
 # What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them).
 OPTIMIZER_TYPES = (keras.optimizers.Optimizer,)
+LEGACY_OPTIMIZERS = ()  # (Keras 3 has none)
 
 
 def unwrapped(opt):
@@ -255,9 +257,27 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
     distributed optimizer, whose allreduce comes before the check). A skipped step counts in
     `iterations`, as on Keras 2."""
 
+    _hvdtrain_scaled = False  # scale_loss was called for the gradients `apply` gets
+
     def build(self, var_list):
         if not self.built:  # Keras's makes new scale variables at every call: a scale
             super().build(var_list)  # restored from a checkpoint was replaced by the initial
+
+    def scale_loss(self, loss):
+        self._hvdtrain_scaled = True  # (while the step is traced, or run eagerly)
+        return super().scale_loss(loss)
+
+    def apply(self, grads, trainable_variables=None):
+        # A train_step of the user's own that did not scale its loss (the Keras guides'
+        # GANs never call scale_loss) gives gradients as they are, which Keras would divide
+        # by the scale (2**15): the model would barely train, silently. Scaled here, so
+        # that they are applied as given; the finite check still skips overflowing steps.
+        if not self._hvdtrain_scaled:
+            if not self.built:
+                self.build(trainable_variables or self._trainable_variables)
+            grads = [None if g is None else g * tf.cast(self.dynamic_scale, g.dtype) for g in grads]
+        self._hvdtrain_scaled = False
+        return super().apply(grads, trainable_variables)
 
     def _stateful_handle_non_finite_grads(self):
         # A skipped step still counts, as in Keras 2: `iterations` is the step that the LR

@@ -482,7 +482,8 @@ def keras_callbacks(folder):
     named by the rank that writes them: only rank 0's should exist)."""
     rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     return [
-        K.callbacks.EarlyStopping(monitor="loss", min_delta=1000.0, patience=2),
+        K.callbacks.EarlyStopping(monitor="loss", min_delta=1000.0, patience=2,
+                                  restore_best_weights=True),
         K.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1000.0),
         K.callbacks.CSVLogger(os.path.join(folder, f"history-{rank}.csv"), append=True),
         K.callbacks.ModelCheckpoint(os.path.join(folder, f"last-{rank}.weights.h5"),
