@@ -168,6 +168,18 @@ class Lines:
             self.on_fail()
         pytest.fail(f"no line matching {pattern!r}:\n" + "".join(self.lines[-60:]))
 
+    def drain(self):
+        """The lines that have come so far, without waiting for more."""
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                return self.lines
+            if line is None:  # the end stays for `rest`
+                self._queue.put(None)
+                return self.lines
+            self.lines.append(line)
+
     def rest(self, timeout=JOB_TIMEOUT):
         """The exit code, once the process and its output have ended."""
         try:

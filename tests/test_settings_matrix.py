@@ -22,7 +22,8 @@ import os
 import socket
 
 import pytest
-from conftest import run_job, worker
+from conftest import worker
+from helpers.shared import OneJobAtATime
 
 RECIPE = worker("recipe.py")
 FORMS = {  # --data, the folder of its files, test samples over all ranks (per-host: by hosts)
@@ -145,14 +146,27 @@ def folders(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("case", CASES, ids=_name)
-def test_the_recipe_under_every_pair_of_settings(case, folders, tmp_path):
+def _job_of(case):
+    """The ranks, backend and hosts of the case's job: the cases that share them run one
+    after the other in one long-lived job (tests/helpers/shared.py)."""
+    two_hosts = case["data"].startswith("files-per-two-hosts")
+    return case["ranks"], case["backend"], "localhost:1,127.0.0.1:1" if two_hosts else None
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    pool = OneJobAtATime()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES, key=lambda c: str(_job_of(c))), ids=_name)
+def test_the_recipe_under_every_pair_of_settings(case, folders, jobs, tmp_path):
     form, tested = case["data"].removesuffix("+test"), case["data"].endswith("+test")
     flag, folder = FORMS[form]
     ranks = case["ranks"]
-    hosts = "localhost:1,127.0.0.1:1" if form == "files-per-two-hosts" else None
     m = tmp_path / "m.json"
-    args = [RECIPE, "--data", flag, "--files", str(folders / folder), "--epochs", "1",
+    args = ["--data", flag, "--files", str(folders / folder), "--epochs", "1",
             "--then-epochs", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--metrics-json", str(m), "--eval-batch-size", "8",
             "--accumulate", str(case["accumulate"]),
@@ -164,9 +178,10 @@ def test_the_recipe_under_every_pair_of_settings(case, folders, tmp_path):
     args += ["--deterministic"] if case["deterministic"] else []
     args += ["--mixed-precision"] if case["mixed_precision"] else []
     args += ["--own-train-step"] if case["model"] == "own-step" else []
-    proc = run_job(ranks, case["backend"], args, hosts=hosts)
+    job = jobs.get(*_job_of(case))
+    job.run("recipe:main", argv=args)
 
-    output = proc.stdout + proc.stderr
+    output = "".join(job.output)
     assert "Traceback" not in output, output[-4000:]
     out = json.loads(m.read_text())
     assert out["status"] == "finished" and out["size"] == ranks and out["epochs"] == 2

@@ -1,0 +1,92 @@
+"""The rank side of a shared job (tests/helpers/shared.py): started once on every rank of a
+long-lived job, it runs the scenarios the test process sends, one after the other, each with
+fresh Keras state, its own folder and environment, and answers with its result or its
+traceback. Nothing of the scenarios is imported until one is asked for.
+
+    horovodrun -np 2 -H localhost:2 python tests/helpers/scenario_runner.py 127.0.0.1:PORT
+"""
+
+import importlib
+import json
+import os
+import socket
+import sys
+import traceback
+
+MARK = "@@scenario"  # the lines around each scenario's output: "@@scenario begin|end ID"
+
+
+def fresh_state():
+    """What one scenario leaves behind that the next must not see: Keras's sessions and name
+    counters, the mixed precision policy, op determinism."""
+    import tensorflow as tf
+    from tensorflow.python.framework import config  # op determinism's off switch is here only
+
+    tf.keras.backend.clear_session()
+    tf.keras.mixed_precision.set_global_policy("float32")
+    keras3 = sys.modules.get("keras")
+    if keras3 is not None and hasattr(keras3, "config"):  # Keras 3, where a scenario imported it
+        keras3.backend.clear_session()
+        keras3.mixed_precision.set_global_policy("float32")
+    config.disable_op_determinism()
+
+
+def run_one(request):
+    """Calls the scenario: `function(*args)`, or with `argv` a script's `main()` with
+    `sys.argv` set to `[module's file, *argv]`."""
+    module, function = request["scenario"].split(":")
+    env, cwd = dict(os.environ), os.getcwd()
+    argv = list(sys.argv)
+    try:
+        os.environ.update(request.get("env") or {})
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        fresh_state()
+        target = getattr(importlib.import_module(module), function)
+        if request.get("argv") is not None:
+            sys.argv[:] = [sys.modules[module].__file__, *request["argv"]]
+        return {"ok": True, "result": target(*request.get("args", []))}
+    except SystemExit as e:  # a script's main() ending: its status
+        return {"ok": e.code in (0, None), "exit": e.code, "traceback": traceback.format_exc()}
+    except BaseException as e:  # noqa: BLE001 (every failure is the scenario's result)
+        error = f"{type(e).__name__}: {e}"
+        return {"ok": False, "error": error, "traceback": traceback.format_exc()}
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv[:] = argv
+
+
+def mark(what):
+    """The marker on both streams: the launcher forwards each on its own, so a scenario's
+    output is whole between its first begin and its last end."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.write(f"{MARK} {what}\n")
+        stream.flush()
+
+
+def main():
+    host, port = sys.argv[1].rsplit(":", 1)
+    rank = int(os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    for path in (os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers"),):
+        sys.path.insert(0, path)  # the scenarios live beside the workers
+    with socket.create_connection((host, int(port)), timeout=600) as conn:
+        conn.settimeout(None)
+        stream = conn.makefile("rw", encoding="utf-8")
+        stream.write(json.dumps({"rank": rank}) + "\n")
+        stream.flush()
+        for line in stream:
+            request = json.loads(line)
+            if request.get("exit"):
+                break
+            mark(f"begin {request['id']}")
+            reply = run_one(request)
+            mark(f"end {request['id']}")
+            reply = {"id": request["id"], "rank": rank, **reply}
+            stream.write(json.dumps(reply, default=str) + "\n")
+            stream.flush()
+
+
+if __name__ == "__main__":
+    main()
