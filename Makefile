@@ -2,6 +2,7 @@
 #   make train   # installs what is missing, then trains MNIST on 2 ranks of this host
 #   make test    # installs what is missing, then lint + the test suite but its slow scenarios
 #   make test-slow   # the slow scenarios (pytest -m slow); CI (.ci/run) runs both
+#   make test-fast   # the inner loop: lint + the tests that start no process (about 3 min)
 # A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
 #   TF_VERSION=2.15.1 make test   # the 2023 stack (TensorFlow 2.15.1, Python 3.11) in .venv-tf2.15.1
 #   PYTHON=python3.12 make test   # that interpreter rather than the newest fitting one
@@ -18,7 +19,7 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test train test test-slow test-gpu-image lint docs docs-serve clean image image-gpu
+.PHONY: setup setup-test train test test-slow test-fast test-gpu-image lint docs docs-serve clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
@@ -40,6 +41,11 @@ test: setup-test lint
 
 test-slow: setup-test
 	python -m pytest -m slow
+
+# The tests that start no process (marker `processes`, set by tests/conftest.py from what each
+# test calls): the inner loop while changing code; `make test` before a commit.
+test-fast: setup-test lint
+	python -m pytest -m "not slow and not gpu_image and not processes"
 
 # The docs site (mkdocs.yml, docs/): built into site/ with --strict (make test builds it too,
 # in tests/test_docs.py), or served with live reload at http://127.0.0.1:8000.

@@ -1,13 +1,17 @@
 """Shared helpers: run real multi-process jobs under horovodrun (Gloo, MPI) and mpirun."""
 
+import contextlib
+import inspect
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 BIN = os.path.dirname(sys.executable)
@@ -34,6 +38,54 @@ def _environ_per_module():
     for name, value in saved.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
+
+
+# What starts a process: the helpers here, subprocess, os.system. A test is marked
+# `processes` when its function, its fixtures or a function of the tests they call name one.
+_STARTS = re.compile(
+    r"\b(run_job|start_job|run_until|SharedJob|OneJobAtATime|launch_argv|subprocess|Popen"
+    r"|netns_hosts|slurm_cluster|os\.system|os\.exec\w*|os\.spawn\w*)\b"
+)
+
+
+def _starts_processes(thing, seen):
+    """Whether `thing` (a function or class of the tests), or a function or class of the
+    tests it names (transitively), names what starts a process: read from the source, so a
+    new test is classified as it is written."""
+    if not (inspect.isfunction(thing) or inspect.isclass(thing)):
+        return False
+    thing = inspect.unwrap(thing)
+    if thing in seen:
+        return False
+    seen.add(thing)
+    try:
+        if not os.path.abspath(inspect.getsourcefile(thing)).startswith(ROOT + os.sep + "tests"):
+            return False
+        if _STARTS.search(inspect.getsource(thing)):
+            return True
+    except (OSError, TypeError):
+        return False
+    functions = [thing] if inspect.isfunction(thing) else [
+        f for f in vars(thing).values() if inspect.isfunction(f)
+    ]  # fmt: skip
+    names, codes = set(), [f.__code__ for f in functions]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+    module = sys.modules.get(thing.__module__)
+    scope = vars(module) if module else {}
+    return any(_starts_processes(scope.get(n), seen) for n in names)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        seen = set()
+        functions = [getattr(item, "function", None)] + [
+            d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
+        ]
+        if any(_starts_processes(f, seen) for f in functions if f is not None):
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.hookimpl(trylast=True)  # after the durations: the run's last words
@@ -191,3 +243,41 @@ class Lines:
         while (line := self._queue.get(timeout=60)) is not None:
             self.lines.append(line)
         return code
+
+
+def start_job(argv, env=None, cwd=ROOT):
+    """Starts `argv` in a session of its own, its output (stdout and stderr) read as `Lines`
+    that kill the job when a wait fails; returns (process, lines)."""
+    proc = subprocess.Popen(
+        argv, env=env or job_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    return proc, Lines(proc, on_fail=lambda: kill_job(proc))
+
+
+def kill_job(proc, marker=None):
+    """SIGKILLs the job's session and every process whose argv holds `marker` (a unique
+    path: the ranks that mpirun starts outside the session), then reaps them."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    victims = []
+    if marker:
+        victims = [p for p in psutil.process_iter(["cmdline"])
+                   if any(marker in a for a in (p.info["cmdline"] or []))]  # fmt: skip
+    for p in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile (killpg above)
+            p.kill()
+    psutil.wait_procs(victims, timeout=30)
+    proc.wait(timeout=30)
+
+
+def run_until(argv, pattern, marker=None, timeout=JOB_TIMEOUT, env=None):
+    """Starts `argv`, waits for a line matching `pattern` (the event, not a time), then kills
+    the whole job (`kill_job`); returns the lines it printed. Fails if the job ends first or
+    the line does not come within `timeout` s."""
+    proc, out = start_job(argv, env)
+    try:
+        out.wait_for(pattern, timeout)
+    finally:
+        kill_job(proc, marker)
+    return out.lines

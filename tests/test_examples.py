@@ -119,11 +119,9 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
     with BatchNorm trained on 2 ranks with `--checkpoint-every 20`, SIGKILLed mid-epoch after
     its step-20 checkpoint; the command again, with the defaults (16 steps per execution,
     the test set evaluated at each epoch end), resumes there and finishes."""
-    import signal
-    import subprocess
     import sys
 
-    from conftest import JOB_TIMEOUT, job_env, launch_argv
+    from conftest import launch_argv, run_until
 
     data, ckpt, metrics = tmp_path / "data", tmp_path / "ckpt", tmp_path / "m.json"
     argv = launch_argv(2, "gloo") + [
@@ -132,21 +130,8 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
         "--threads", "1", "--progress", "off",
     ]  # fmt: skip
     every_20 = ["--checkpoint-every", "20"]
-    job = subprocess.Popen(
-        argv + every_20, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=ROOT, start_new_session=True,
-    )  # fmt: skip
-    lines = []
-    try:
-        for line in job.stdout:  # the checkpoint 20 steps into epoch 1, then the kill
-            lines.append(line)
-            if "saved checkpoint" in line and "(20 steps into epoch 1)" in line:
-                os.killpg(job.pid, signal.SIGKILL)
-                break
-        job.wait(timeout=JOB_TIMEOUT)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    # The checkpoint 20 steps into epoch 1, then the kill.
+    lines = run_until(argv + every_20, r"saved checkpoint.*\(20 steps into epoch 1\)")
     assert any("(20 steps into epoch 1)" in line for line in lines), "".join(lines[-40:])
     assert sorted(os.listdir(data)) == ["test-0.tfrecord"] + [
         f"train-{i}.tfrecord" for i in range(6)

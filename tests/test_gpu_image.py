@@ -14,7 +14,10 @@ import os
 
 import pytest
 from conftest import ROOT
-from test_docker_image import check_no_secret_and_uid_1000, docker, sh  # noqa: F401 (fixture)
+
+# The daemon fixture (`docker`) is shared: its name is a parameter of the tests below.
+# ruff: noqa: F811
+from helpers.docker_daemon import check_no_secret_and_uid_1000, docker, sh  # noqa: F401
 
 pytestmark = [pytest.mark.gpu_image, pytest.mark.timeout(3600)]
 
@@ -22,7 +25,7 @@ IMAGE = "hvdtrain:gpu"
 
 
 @pytest.fixture(scope="module")
-def image(docker):  # noqa: F811 (the fixture above)
+def image(docker):
     env = dict(os.environ, DOCKER=" ".join(docker), IMAGE=IMAGE)
     ca = os.environ.get("SSL_CERT_FILE")
     if ca and os.path.isfile(ca):

@@ -1,17 +1,14 @@
 """`python -m hvdtrain.mnist` end to end: Gloo, MPI and mpirun; resume after SIGKILL; bad input."""
 
-import contextlib
 import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
-from conftest import JOB_TIMEOUT, job_env, launch_argv, run_job
+from conftest import JOB_TIMEOUT, job_env, launch_argv, run_job, run_until
 
 MNIST = ["-m", "hvdtrain.mnist"]
 
@@ -93,21 +90,6 @@ def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):
     assert out.stdout.split() == ["(2,", "10)", "False"], out.stderr[-2000:]
 
 
-def _kill_everything_mentioning(marker, proc):
-    """SIGKILL the launcher and every rank it started (found by a unique path in argv)."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    victims = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if any(marker in a for a in (p.info["cmdline"] or []))
-    ]
-    for p in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile (killpg above)
-            p.kill()
-    psutil.wait_procs(victims, timeout=30)
-    proc.wait(timeout=30)
-
-
 def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
     args = [
@@ -122,24 +104,7 @@ def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path
         str(metrics),
     ]
     argv = launch_argv(2, "gloo") + [sys.executable, *args]
-    proc = subprocess.Popen(
-        argv,
-        env=job_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    seen = []
-    try:
-        for line in proc.stdout:  # wait for the event itself, not for a time
-            seen.append(line)
-            if "saved checkpoint" in line and "(epoch 1)" in line:
-                break
-        else:
-            pytest.fail("the job ended before saving epoch 1:\n" + "".join(seen[-40:]))
-    finally:
-        _kill_everything_mentioning(str(ckpt), proc)
+    run_until(argv, r"saved checkpoint.*\(epoch 1\)", marker=str(ckpt))
     assert not metrics.exists()
     saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("epoch-"))
     assert saved and saved[0] == "epoch-0001"

@@ -4,41 +4,17 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from conftest import job_env, launch_argv, run_job
-from test_mnist import _kill_everything_mentioning
+from conftest import kill_job, launch_argv, run_job, run_until, start_job
 
 from hvdtrain.trainer import resume_step
 
 BASE = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "2", "--limit-samples", "1024",
         "--checkpoint-every", "4"]  # fmt: skip
-
-
-def _run_until(argv, pattern, marker):
-    """Starts argv, SIGKILLs it (and all its ranks) once a line matches `pattern`."""
-    proc = subprocess.Popen(
-        argv,
-        env=job_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if re.search(pattern, line):
-                return
-        pytest.fail("the job ended before the kill point:\n" + "".join(seen[-30:]))
-    finally:
-        _kill_everything_mentioning(marker, proc)
 
 
 def _job(np, tmp_path, name, extra=(), keras="2"):
@@ -54,36 +30,29 @@ _STEP = re.compile(r"epoch (\d+)/\d+: (?:step (\d+)/|(\d+) steps in)")
 _RESUMED = re.compile(r"resuming at .*\(global step (\d+)\)")
 
 
+def _global_step(line):
+    found = _STEP.search(line)
+    return found and (int(found.group(1)) - 1) * 16 + int(found.group(2) or found.group(3))
+
+
 def _kill_after(argv, step, delay, marker):
     """Starts argv, SIGKILLs every process of it `delay` s after rank 0 reports global step
     `step`; returns (the global step it resumed at, the last one it reported)."""
-    proc = subprocess.Popen(
-        argv, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    resumed, reached, seen = 0, 0, []
-    hang = threading.Timer(RUN_TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))  # then fails
-    hang.start()
+    proc, out = start_job(argv)
+    resumed, reached = 0, 0
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            found, at = _STEP.search(line), _RESUMED.search(line)
-            if at:
+        while reached < step:  # each line within RUN_TIMEOUT, or the job is killed and fails
+            line = out.wait_for(f"{_STEP.pattern}|{_RESUMED.pattern}", RUN_TIMEOUT)
+            if at := _RESUMED.search(line):
                 resumed = int(at.group(1))
-            if found:
-                reached = (int(found.group(1)) - 1) * 16 + int(found.group(2) or found.group(3))
-            if reached >= step:
-                time.sleep(delay)  # the moment: somewhere in the next step or checkpoint write
-                break
-        else:
-            pytest.fail(f"the job ended before step {step}:\n" + "".join(seen[-30:]))
+            reached = _global_step(line) or reached
+        time.sleep(delay)  # the moment: somewhere in the next step or checkpoint write
     finally:
-        hang.cancel()
-        _kill_everything_mentioning(marker, proc)
-    for line in proc.stdout.read().splitlines():  # what it still did before the kill
-        found = _STEP.search(line)
-        if found:
-            reached = (int(found.group(1)) - 1) * 16 + int(found.group(2) or found.group(3))
+        kill_job(proc, marker)
+    seen = len(out.lines)
+    out.rest()
+    for line in out.lines[seen:]:  # what it still did before the kill
+        reached = _global_step(line) or reached
     return resumed, reached
 
 
@@ -131,7 +100,7 @@ def test_kills_at_seeded_moments_end_bitwise_like_an_uninterrupted_run(keras, co
 @pytest.mark.parametrize("keras", ["3"])  # the rule is the trainer's; Keras 2: test_elastic.py
 def test_resume_on_another_number_of_ranks_rescales_the_step(keras, tmp_path):
     args, ckpt, metrics = _job(2, tmp_path, "elastic", keras=keras)
-    _run_until(
+    run_until(
         launch_argv(2, "gloo") + [sys.executable, *args], r"\(8 steps into epoch 1\)", str(ckpt)
     )
     proc = run_job(1, "none", args)
@@ -173,18 +142,8 @@ def test_sigkill_during_checkpoint_writes_never_breaks_the_latest(tmp_path):
 
     for attempt in range(3):  # each kill lands at a different point of a write
         d = tmp_path / f"ckpt{attempt}"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(d)],
-            env=job_env(),
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for line in proc.stdout:
-            if line.strip() == f"saved {3 + attempt}":
-                proc.kill()  # the next save is already under way
-                break
-        proc.wait(timeout=60)
+        # Killed once it has saved 3 + attempt times: the next save is already under way.
+        run_until([sys.executable, "-c", SAVER, str(d)], rf"^saved {3 + attempt}$")
         model = tf.keras.Sequential(
             [tf.keras.Input((64,)), tf.keras.layers.Dense(2048), tf.keras.layers.Dense(10)]
         )
@@ -197,7 +156,6 @@ def test_sigkill_during_checkpoint_writes_never_breaks_the_latest(tmp_path):
 
 
 def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
-    import os
 
     import tensorflow as tf
 
