@@ -105,6 +105,30 @@ def pytest_terminal_summary(terminalreporter, config):
             )
 
 
+_SHARED = []  # the module's pool of shared jobs, while it has one
+
+
+@pytest.fixture(scope="module")
+def shared_jobs():
+    """Long-lived jobs that a module's scenarios share (tests/helpers/shared.py), one alive at
+    a time: `shared_jobs.get(2, "gloo").run_script([script, *args])` where a test would
+    `run_job` a script that keeps every rank alive and needs no environment of its own.
+    Idle ranks are not free (Horovod's cycle and MPI's waits spin: about 0.2-0.5 of a core
+    each), so the job ends with the module and before any other job starts."""
+    from helpers.shared import OneJobAtATime
+
+    pool = OneJobAtATime()
+    _SHARED.append(pool)
+    yield pool
+    _SHARED.remove(pool)
+    pool.close()
+
+
+def _end_shared_jobs():
+    for pool in _SHARED:
+        pool.close()
+
+
 def tf_version():
     """The installed TensorFlow's (major, minor), read without importing it."""
     from importlib.metadata import PackageNotFoundError, version
@@ -162,6 +186,7 @@ def launch_argv(np, backend, hosts=None):
 
 def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, hosts=None, **env):
     """Runs `python args...` on `np` ranks and returns the CompletedProcess (text output)."""
+    _end_shared_jobs()
     argv = launch_argv(np, backend, hosts) + [sys.executable, *args]
     proc = subprocess.run(
         argv, env=job_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
@@ -248,6 +273,7 @@ class Lines:
 def start_job(argv, env=None, cwd=ROOT):
     """Starts `argv` in a session of its own, its output (stdout and stderr) read as `Lines`
     that kill the job when a wait fails; returns (process, lines)."""
+    _end_shared_jobs()
     proc = subprocess.Popen(
         argv, env=env or job_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,

@@ -14,12 +14,12 @@ from conftest import run_job, worker
     params=[("gloo", "2"), ("mpi", "2"), ("gloo", "3"), ("mpi", "3")],
     ids=lambda p: f"{p[0]}-keras{p[1]}",
 )
-def ranks(request, tmp_path_factory):
+def ranks(request, tmp_path_factory, shared_jobs):
     """Each rank's record, for each backend and Keras (3: the model, optimizer and losses of
     `import keras`, through the same building blocks)."""
     backend, keras = request.param
     out = tmp_path_factory.mktemp(f"dist-{backend}-keras{keras}")
-    run_job(2, backend, [worker("dist_checks.py"), str(out), keras])
+    shared_jobs.get(2, backend).run_script([worker("dist_checks.py"), out, keras])
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["keras"].startswith(keras) for r in records)
     return records
@@ -66,10 +66,10 @@ def test_evaluation_is_weighted_by_samples_over_uneven_shards(ranks):
     assert ranks[0]["weighted_mean"]["v"] == pytest.approx(20.0 / 3)
 
 
-def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(tmp_path):
+def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(tmp_path, shared_jobs):
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     run_job(1, "none", [worker("equivalence.py"), str(one), "64", "6"])
-    run_job(2, "gloo", [worker("equivalence.py"), str(two), "32", "6"])
+    shared_jobs.get(2, "gloo").run_script([worker("equivalence.py"), two, "32", "6"])
     a, b = np.load(one), np.load(two)
     assert len(a.files) == len(b.files) == 4
     moved = 0.0

@@ -63,7 +63,7 @@ def as_keras3(source):
 
 
 @pytest.mark.parametrize("keras", ["2", "3"])
-def test_keras_fit_on_two_ranks(keras, tmp_path):
+def test_keras_fit_on_two_ranks(keras, shared_jobs, tmp_path):
     """The building blocks in a user's own `fit` (warmup schedule, distributed optimizer,
     broadcast, metric averaging), on either Keras: 3 is the same script on `import keras`."""
     script = os.path.join(EXAMPLES, "keras_fit.py")
@@ -73,13 +73,13 @@ def test_keras_fit_on_two_ranks(keras, tmp_path):
         assert "tf.keras" not in script.read_text()
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
     args = ["--epochs", "2", "--steps", "5", "--checkpoint-dir", str(ckpt)]
-    proc = run_job(2, "gloo", [str(script), *args, "--metrics-json", str(metrics)])
+    proc = shared_jobs.get(2, "gloo").run_script([script, *args, "--metrics-json", metrics])
     m = json.loads(metrics.read_text())
     assert [r["rank"] for r in m["ranks"]] == [0, 1]
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
     assert len(m["history"]["loss"]) == 2 and 0 <= m["test"]["accuracy"] <= 1
     assert sorted(os.listdir(ckpt)) == ["epoch-01.weights.h5", "epoch-02.weights.h5"]
-    output = proc.stdout + proc.stderr
+    output = proc.stdout
     assert any("test loss" in line for line in _rank_lines(output, 0))
     # Keras 3's own warning on every rank (its `fit` shuffles by default, a dataset never).
     quiet = [
@@ -90,11 +90,12 @@ def test_keras_fit_on_two_ranks(keras, tmp_path):
     assert not quiet, output[-3000:]
 
 
-def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
+def test_custom_loop_on_two_ranks_then_resumes(shared_jobs, tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
     script = os.path.join(EXAMPLES, "custom_loop.py")
     args = ["--steps", "5", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]
-    proc = run_job(2, "gloo", [script, "--epochs", "2", *args])
+    job = shared_jobs.get(2, "gloo")
+    proc = job.run_script([script, "--epochs", "2", *args])
     m = json.loads(metrics.read_text())
     assert m["size"] == 2 and m["start_epoch"] == 0 and m["optimizer_steps"] == 10
     assert [h["epoch"] for h in m["history"]] == [1, 2]
@@ -103,11 +104,11 @@ def test_custom_loop_on_two_ranks_then_resumes(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["epoch-0001", "epoch-0002"]
     manifest = json.loads((ckpt / "epoch-0002" / "manifest.json").read_text())
     assert manifest["written_by"]["pid"] == m["ranks"][0]["pid"]  # rank 0 wrote it
-    output = proc.stdout + proc.stderr
+    output = proc.stdout
     assert len([line for line in _rank_lines(output, 0) if "samples/s" in line]) == 2
     assert not _rank_lines(output, 1), output[-3000:]
 
-    run_job(2, "gloo", [script, "--epochs", "3", *args])  # the same command, one epoch more
+    job.run_script([script, "--epochs", "3", *args])  # the same command, one epoch more
     m = json.loads(metrics.read_text())
     assert m["start_epoch"] == 2 and m["optimizer_steps"] == 15  # optimizer state restored
     assert [h["epoch"] for h in m["history"]] == [3]
@@ -149,7 +150,7 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
 
 
 @pytest.mark.parametrize("keras, backend", [("2", "gloo"), ("3", "mpi")])
-def test_gan_example_trains_both_optimizers_on_two_ranks(keras, backend, tmp_path):
+def test_gan_example_trains_both_optimizers_on_two_ranks(keras, backend, shared_jobs, tmp_path):
     """examples/gan.py: the Keras guide's GAN (its own compile and train_step, two
     optimizers) through hvdtrain.fit, launched as the docstring says."""
     doc = ast.get_docstring(ast.parse(_read("gan.py")))
@@ -158,7 +159,7 @@ def test_gan_example_trains_both_optimizers_on_two_ranks(keras, backend, tmp_pat
     args = [os.path.join(EXAMPLES, "gan.py"), "--keras", keras, "--epochs", "1",
             "--limit-samples", "640", "--checkpoint-dir", str(ckpt), "--metrics-json",
             str(metrics)]  # fmt: skip
-    run_job(2, backend, args)
+    shared_jobs.get(2, backend).run_script(args)
     m = json.loads(metrics.read_text())
     assert m["status"] == "finished" and m["keras"].startswith(f"Keras {keras}")
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1

@@ -8,27 +8,29 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, job_env, run_job
+from conftest import ROOT, job_env
 
 SCRIPT = os.path.join(ROOT, "examples", "keras3_fit.py")
 
 
-def train(np, backend, out, epochs):
+def train(jobs, np, backend, out, epochs):
     args = [SCRIPT, "--epochs", str(epochs), "--checkpoint-dir", str(out / "ckpt"),
             "--metrics-json", str(out / "m.json")]  # fmt: skip
-    proc = run_job(np, backend, args)
+    proc = jobs.get(np, backend).run_script(args)
     assert "Traceback" not in proc.stdout + proc.stderr
     return json.loads((out / "m.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    return train(1, "none", tmp_path_factory.mktemp("keras3-alone"), 3)
+def alone(tmp_path_factory, shared_jobs):
+    return train(shared_jobs, 1, "none", tmp_path_factory.mktemp("keras3-alone"), 3)
 
 
 @pytest.mark.parametrize("backend", ["gloo"])  # Keras 3 under MPI: the settings matrix
-def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(backend, alone, tmp_path):
-    first = train(2, backend, tmp_path, 3)
+def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(
+    backend, alone, shared_jobs, tmp_path
+):
+    first = train(shared_jobs, 2, backend, tmp_path, 3)
     assert first["size"] == 2 and first["test_samples"] == 2000
     assert len({r["weights_digest"] for r in first["ranks"]}) == 1  # BatchNorm averaged too
     # 8,000 samples, batch 64 x 2 ranks: 62 steps an epoch (not a multiple of 16 per call)
@@ -37,7 +39,7 @@ def test_keras3_trains_on_two_ranks_resumes_and_exports_for_plain_keras(backend,
     assert first["test"]["auc"] == pytest.approx(alone["test"]["auc"], abs=0.02)
     assert first["test"]["auc"] > 0.9
 
-    again = train(2, backend, tmp_path, 5)  # the same command, two epochs more
+    again = train(shared_jobs, 2, backend, tmp_path, 5)  # the same command, two epochs more
     assert again["resumed_from"]["epoch"] == 3 and again["optimizer_iterations"] == 5 * 62
     assert len(again["history"]["val_auc"]) == 5
     assert len({r["weights_digest"] for r in again["ranks"]}) == 1
@@ -75,13 +77,13 @@ def test_a_keras3_backend_other_than_tensorflow_is_one_clear_error(backend):
     assert len(message.splitlines()) == 1 and message.endswith("Set KERAS_BACKEND=tensorflow.")
 
 
-def test_a_keras3_custom_loop_with_the_building_blocks_trains_and_resumes(tmp_path):
+def test_a_keras3_custom_loop_with_the_building_blocks_trains_and_resumes(shared_jobs, tmp_path):
     """examples/keras3_custom_loop.py: `distributed_optimizer` on a Keras 3 optimizer,
     `broadcast_initial_state`, `average_model_state`, `evaluate`, `CheckpointManager`."""
     script = os.path.join(ROOT, "examples", "keras3_custom_loop.py")
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-json", str(tmp_path / "m.json")]
     for epochs in (2, 3):  # then the same command with one epoch more: a resume
-        proc = run_job(2, "gloo", [script, "--epochs", str(epochs), *args])
+        proc = shared_jobs.get(2, "gloo").run_script([script, "--epochs", str(epochs), *args])
         assert "Traceback" not in proc.stdout + proc.stderr
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["size"] == 2 and m["start_epoch"] == 2
@@ -92,11 +94,13 @@ def test_a_keras3_custom_loop_with_the_building_blocks_trains_and_resumes(tmp_pa
 
 @pytest.mark.parametrize("backend", ["mpi"])  # through fit under Gloo: test_schedules.py
 def test_keras3_loss_scaling_skips_a_step_on_every_rank_when_one_ranks_gradients_overflow(
-    backend, tmp_path
+    backend, shared_jobs, tmp_path
 ):
     from conftest import worker
 
-    run_job(2, backend, [worker("loss_scale_checks.py"), str(tmp_path), "--keras", "3"])
+    shared_jobs.get(2, backend).run_script(
+        [worker("loss_scale_checks.py"), tmp_path, "--keras", "3"]
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["finite"] for r in ranks] == [False, False]  # both skip, nobody waits
     # Skipped, then one averaged update, 1 - 0.1 x mean(0, 1), the same on both ranks: the
@@ -107,7 +111,7 @@ def test_keras3_loss_scaling_skips_a_step_on_every_rank_when_one_ranks_gradients
 
 
 @pytest.mark.parametrize("keras", ["3"])  # the same check in trainer.py for both Keras
-def test_xla_asked_for_is_turned_off_in_one_line(keras, tmp_path):
+def test_xla_asked_for_is_turned_off_in_one_line(keras, shared_jobs, tmp_path):
     """Horovod's allreduce cannot run inside XLA: a model compiled with jit_compile=True
     (or, on Keras 3, "auto" on a GPU) trains without it, and rank 0 says so once."""
     from conftest import worker
@@ -115,8 +119,8 @@ def test_xla_asked_for_is_turned_off_in_one_line(keras, tmp_path):
     metrics = tmp_path / "m.json"
     args = [worker("recipe.py"), "--keras", keras, "--jit-compile", "--epochs", "1",
             "--metrics-json", str(metrics)]  # fmt: skip
-    proc = run_job(2, "gloo", args)
-    out = proc.stdout + proc.stderr
+    proc = shared_jobs.get(2, "gloo").run_script(args)
+    out = proc.stdout
     assert out.count("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled") == 1
     assert "Traceback" not in out and json.loads(metrics.read_text())["size"] == 2
 

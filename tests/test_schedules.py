@@ -8,7 +8,7 @@ that step and halves the scale, which the resumed run restores on every rank."""
 import json
 
 import pytest
-from conftest import run_job, worker
+from conftest import worker
 
 BATCH, SAMPLES, DECAY_STEPS, EPOCHS = 16, 256, 4, 3
 STEPS = SAMPLES // 2 // BATCH  # per epoch at 2 ranks: the warmup's length (--warmup-epochs 1)
@@ -19,23 +19,25 @@ def lr(step, size=2):
     return 0.1 * 0.5 ** (step / DECAY_STEPS) * (1 + (size - 1) * min(1.0, step / STEPS))
 
 
-def train(tmp_path, backend, keras, *extra):
+def train(jobs, tmp_path, backend, keras, *extra):
     """One epoch, then the same command to EPOCHS (it resumes); each rank's record."""
     record = tmp_path / "record"
     args = [worker("sgd_steps.py"), "--keras", keras, "--record", str(record),
             "--checkpoint-dir", str(tmp_path / "ck"), "--warmup-epochs", "1",
             "--batch-size", str(BATCH), *extra]  # fmt: skip
     for epochs in (1, EPOCHS):
-        proc = run_job(2, backend, [*args, "--epochs", str(epochs)])
+        proc = jobs.get(2, backend).run_script([*args, "--epochs", str(epochs)])
     assert "resuming at epoch 2, step 0" in proc.stderr
     return [json.loads((tmp_path / f"record.rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("backend, keras", [("mpi", "2"), ("gloo", "3")])
 def test_float16_overflow_on_one_rank_skips_the_step_on_every_rank_and_the_scale_resumes(
-    backend, keras, tmp_path
+    backend, keras, shared_jobs, tmp_path
 ):
-    ranks = train(tmp_path, backend, keras, "--mixed-precision", "float16", "--poison-step", "2")
+    ranks = train(
+        shared_jobs, tmp_path, backend, keras, "--mixed-precision", "float16", "--poison-step", "2"
+    )
     skipped = -sum(lr(step) for step in range(EPOCHS * STEPS) if step != 2)
     for r in ranks:
         assert r["iterations"] == EPOCHS * STEPS  # the skipped step counts, as on Keras 2

@@ -23,7 +23,6 @@ import socket
 
 import pytest
 from conftest import worker
-from helpers.shared import OneJobAtATime
 
 RECIPE = worker("recipe.py")
 FORMS = {  # --data, the folder of its files, test samples over all ranks (per-host: by hosts)
@@ -153,15 +152,8 @@ def _job_of(case):
     return case["ranks"], case["backend"], "localhost:1,127.0.0.1:1" if two_hosts else None
 
 
-@pytest.fixture(scope="module")
-def jobs():
-    pool = OneJobAtATime()
-    yield pool
-    pool.close()
-
-
 @pytest.mark.parametrize("case", sorted(CASES, key=lambda c: str(_job_of(c))), ids=_name)
-def test_the_recipe_under_every_pair_of_settings(case, folders, jobs, tmp_path):
+def test_the_recipe_under_every_pair_of_settings(case, folders, shared_jobs, tmp_path):
     form, tested = case["data"].removesuffix("+test"), case["data"].endswith("+test")
     flag, folder = FORMS[form]
     ranks = case["ranks"]
@@ -178,7 +170,7 @@ def test_the_recipe_under_every_pair_of_settings(case, folders, jobs, tmp_path):
     args += ["--deterministic"] if case["deterministic"] else []
     args += ["--mixed-precision"] if case["mixed_precision"] else []
     args += ["--own-train-step"] if case["model"] == "own-step" else []
-    job = jobs.get(*_job_of(case))
+    job = shared_jobs.get(*_job_of(case))
     job.run("recipe:main", argv=args)
 
     output = "".join(job.output)

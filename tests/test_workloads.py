@@ -18,16 +18,17 @@ def _metrics(path):
 
 
 @pytest.mark.parametrize("keras", ["2", "3"])
-def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(keras, tmp_path):
+def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(keras, shared_jobs, tmp_path):
     acc, big = tmp_path / "acc.npz", tmp_path / "big.npz"
-    run_job(1, "none", [worker("accumulate.py"), str(acc), "16", "2", "8", keras])
-    run_job(1, "none", [worker("accumulate.py"), str(big), "32", "1", "4", keras])
+    alone = shared_jobs.get(1, "none")
+    alone.run_script([worker("accumulate.py"), acc, "16", "2", "8", keras])
+    alone.run_script([worker("accumulate.py"), big, "32", "1", "4", keras])
     a, b = np.load(acc), np.load(big)
     for k in ("arr_0", "arr_1", "arr_2", "arr_3"):
         np.testing.assert_allclose(a[k], b[k], atol=1e-6, rtol=0)
     assert a["iterations"] == 8 and b["iterations"] == 4  # every step counts
     two = tmp_path / "two.npz"
-    run_job(2, "gloo", [worker("accumulate.py"), str(two), "8", "2", "8", keras])
+    shared_jobs.get(2, "gloo").run_script([worker("accumulate.py"), two, "8", "2", "8", keras])
     assert len(set(np.load(two)["digests"])) == 1
 
 
@@ -39,11 +40,9 @@ def test_accumulating_n_batches_of_b_matches_one_batch_of_n_times_b(keras, tmp_p
         ["--mixed-precision", "float16"],  # loss scaling around the distributed optimizer
     ],
 )
-def test_precision_and_compression_options_keep_ranks_in_sync(flags, tmp_path):
+def test_precision_and_compression_options_keep_ranks_in_sync(flags, shared_jobs, tmp_path):
     metrics = tmp_path / "m.json"
-    run_job(
-        2,
-        "gloo",
+    shared_jobs.get(2, "gloo").run_script(
         [
             "-m",
             "hvdtrain.mnist",
@@ -67,12 +66,12 @@ def test_precision_and_compression_options_keep_ranks_in_sync(flags, tmp_path):
 
 
 @pytest.mark.parametrize("keras", ["3"])  # Keras 2's CIFAR-10: the ResNet-50 test below
-def test_cifar10_synthetic_fallback_is_announced(keras, tmp_path):
+def test_cifar10_synthetic_fallback_is_announced(keras, shared_jobs, tmp_path):
     metrics = tmp_path / "m.json"
     args = ["-m", "hvdtrain.cifar10", "--epochs", "1", "--limit-samples", "256",
             "--batch-size", "16", "--metrics-json", str(metrics), "--keras", keras]  # fmt: skip
-    proc = run_job(2, "gloo", args)
-    assert "SYNTHETIC random images" in proc.stdout + proc.stderr
+    proc = shared_jobs.get(2, "gloo").run_script(args)
+    assert "SYNTHETIC random images" in proc.stdout
     m = _metrics(metrics)
     assert m["data_source"] == "synthetic" and m["size"] == 2 and m["steps_per_epoch"] == 8
     assert m["keras"].startswith(f"Keras {keras}")
@@ -118,14 +117,14 @@ def _image_folder(root, per_class=6):
 
 
 @pytest.mark.parametrize("keras", ["3"])  # Keras 2's model: the test below builds it
-def test_images_transfer_learning_on_a_generated_folder(keras, tmp_path):
+def test_images_transfer_learning_on_a_generated_folder(keras, shared_jobs, tmp_path):
     _image_folder(tmp_path / "pets")
     metrics = tmp_path / "m.json"
     args = ["-m", "hvdtrain.images", "--data-dir", str(tmp_path / "pets"), "--epochs", "1",
             "--batch-size", "2", "--test-fraction", "0.2", "--metrics-json", str(metrics),
             "--keras", keras]  # fmt: skip
-    proc = run_job(2, "gloo", args)
-    assert "random initialisation (no --weights" in proc.stdout + proc.stderr
+    proc = shared_jobs.get(2, "gloo").run_script(args)
+    assert "random initialisation (no --weights" in proc.stdout
     m = _metrics(metrics)
     assert m["train_samples"] == 10 and m["test_samples"] == 2 and m["steps_per_epoch"] == 2
     assert m["keras"].startswith(f"Keras {keras}")

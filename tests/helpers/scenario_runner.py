@@ -7,8 +7,10 @@ traceback. Nothing of the scenarios is imported until one is asked for.
 """
 
 import importlib
+import importlib.util
 import json
 import os
+import runpy
 import socket
 import sys
 import traceback
@@ -19,6 +21,7 @@ MARK = "@@scenario"  # the lines around each scenario's output: "@@scenario begi
 def fresh_state():
     """What one scenario leaves behind that the next must not see: Keras's sessions and name
     counters, the mixed precision policy, op determinism."""
+    importlib.import_module("hvdtrain")  # before TensorFlow: tf.keras is Keras 2, as for users
     import tensorflow as tf
     from tensorflow.python.framework import config  # op determinism's off switch is here only
 
@@ -32,9 +35,11 @@ def fresh_state():
 
 
 def run_one(request):
-    """Calls the scenario: `function(*args)`, or with `argv` a script's `main()` with
-    `sys.argv` set to `[module's file, *argv]`."""
-    module, function = request["scenario"].split(":")
+    """Runs the scenario: a script's file (`path.py`) as `__main__` with `sys.argv` set to
+    `[path, *argv]`; a module as `python -m` runs it ("-m module"); or `module:function`,
+    called as `function(*args)`, or with `argv` as a script's `main()` with `sys.argv` set
+    to `[the module's file, *argv]`."""
+    scenario = request["scenario"]
     env, cwd = dict(os.environ), os.getcwd()
     argv = list(sys.argv)
     try:
@@ -42,6 +47,16 @@ def run_one(request):
         if request.get("cwd"):
             os.chdir(request["cwd"])
         fresh_state()
+        if scenario.endswith(".py"):  # python path.py ARGV
+            sys.argv[:] = [scenario, *(request.get("argv") or [])]
+            runpy.run_path(scenario, run_name="__main__")
+            return {"ok": True, "result": None}
+        if scenario.startswith("-m "):  # python -m module ARGV
+            module = scenario[3:]
+            sys.argv[:] = [importlib.util.find_spec(module).origin, *(request.get("argv") or [])]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            return {"ok": True, "result": None}
+        module, function = scenario.split(":")
         target = getattr(importlib.import_module(module), function)
         if request.get("argv") is not None:
             sys.argv[:] = [sys.modules[module].__file__, *request["argv"]]

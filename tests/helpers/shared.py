@@ -1,8 +1,9 @@
 """Scenarios that share their rank processes: one long-lived job of N ranks runs them one
 after the other (tests/helpers/scenario_runner.py on every rank), each its own pytest test
 with its own name, result and output, as Horovod's own suite runs whole test files under
-one `horovodrun`. A scenario is a function `module:function` (a module of tests/workers)
-that every rank calls with the same arguments; what it returns (JSON) comes back per rank.
+one `horovodrun`. A scenario is a script's file, run as `__main__` with the command line
+given, or a function `module:function` (a module of tests/workers) that every rank calls with
+the same arguments; what it returns (JSON) comes back per rank.
 
     @pytest.fixture(scope="module")
     def job():
@@ -108,8 +109,9 @@ class SharedJob:
     # -- scenarios --------------------------------------------------------------------------
     def run(self, scenario, args=(), argv=None, cwd=None, env=None, timeout=JOB_TIMEOUT,
             check=True):  # fmt: skip
-        """`scenario` ("module:function") on every rank: `function(*args)`, or with `argv` a
-        script's `main()` with that command line. Returns each rank's reply ({"ok", "result",
+        """`scenario` on every rank: a script's file ("path.py") run with the command line
+        `argv`; or "module:function": `function(*args)`, or with `argv` a script's `main()`
+        with that command line. Returns each rank's reply ({"ok", "result",
         "error", "traceback", "exit"}) by rank; the scenario's output lines are in
         `self.output`. With `check`, a rank that failed fails the test."""
         if self.proc is None or self.proc.poll() is not None or not self.streams:
@@ -123,7 +125,7 @@ class SharedJob:
             stream.write(json.dumps(request) + "\n")
             stream.flush()
         replies, deadline = {}, time.monotonic() + timeout
-        name = f"{scenario}{list(args) or ''}{' '.join(request['argv'] or [])}"
+        name = " ".join([f"{scenario}{list(args) or ''}", *(request["argv"] or [])])
         for rank, (conn, stream) in sorted(self.streams.items()):
             conn.settimeout(max(1.0, deadline - time.monotonic()))
             try:
@@ -146,6 +148,20 @@ class SharedJob:
             pytest.fail(f"{name} failed on rank {rank}:\n{replies[rank].get('traceback')}"
                         f"\n--- its output\n{''.join(self.output[-80:])}")  # fmt: skip
         return [replies[r] for r in sorted(replies)]
+
+    def run_script(self, argv, timeout=JOB_TIMEOUT, check=True, cwd=None):
+        """`python argv...` as `run_job` runs it, in this job: a CompletedProcess whose
+        `returncode` is the first non-zero exit status of a rank (1 for an exception, as
+        Python's), and whose `stdout` and `stderr` both hold the scenario's output."""
+        script, *rest = [str(a) for a in argv]
+        if script == "-m":  # python -m module ...
+            script, *rest = f"-m {rest[0]}", *rest[1:]
+        replies = self.run(script, argv=rest, timeout=timeout, check=check, cwd=cwd)
+        codes = [0 if r["ok"] else (r.get("exit") if "exit" in r else 1) for r in replies]
+        code = next((c for c in codes if c), 0)
+        code = code if isinstance(code, int) else 1  # sys.exit("message") exits 1
+        text = "".join(self.output)
+        return subprocess.CompletedProcess([sys.executable, *argv], code, text, text)
 
     def _scenario_lines(self, first):
         """The lines between the scenario's first begin marker and its last end marker."""
