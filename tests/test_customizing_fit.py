@@ -313,9 +313,12 @@ def test_array_data_length_mismatch_names_the_key(x, y, words):
 
 
 # -- real ranks ---------------------------------------------------------------------------
-def _train(np_, backend, out, *args, check=True):
+def _train(np_, backend, out, *args, check=True, jobs=None):
+    """The corpus's worker; in a shared job of `jobs` where one is given."""
     args = [WORKER, "--checkpoint-dir", str(out / "ck"), "--metrics-json", str(out / "m.json"),
             *args]  # fmt: skip
+    if jobs is not None:
+        return jobs.get(np_, backend).run_script(args, check=check)
     return run_job(np_, backend, args, check=check)
 
 
@@ -324,13 +327,14 @@ def _metrics(out, name):
 
 
 @pytest.fixture(scope="module", params=[("2", "gloo"), ("3", "mpi")], ids=["k2-gloo", "k3-mpi"])
-def corpus(request, tmp_path_factory):
+def corpus(request, tmp_path_factory, shared_jobs):
     """The corpus trained at -np 2, one model after the other in the same job: Keras 2 with
     gradient accumulation, Keras 3 with float16 on the wire."""
     version, backend = request.param
     out = tmp_path_factory.mktemp(f"corpus-{version}")
     extra = ["--accumulate", "2"] if version == "2" else ["--fp16-allreduce"]
-    proc = _train(2, backend, out, "--keras", version, "--models", ",".join(CORPUS), *extra)
+    models = ",".join(CORPUS)
+    proc = _train(2, backend, out, "--keras", version, "--models", models, *extra, jobs=shared_jobs)
     assert "Traceback" not in proc.stdout + proc.stderr
     return version, out
 
@@ -407,7 +411,7 @@ def _csv(path):
 
 @pytest.mark.parametrize("version, backend", [("3", "gloo"), ("2", "mpi")])
 def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
-    version, backend, tmp_path
+    version, backend, shared_jobs, tmp_path
 ):
     """EarlyStopping, ReduceLROnPlateau, CSVLogger and ModelCheckpoint: at -np 2 through
     hvdtrain.fit, and on one process with Keras's own fit (the global batch); then the same
@@ -422,7 +426,7 @@ def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     args = [*flags, "--warmup-epochs", "0", "--callbacks", str(ours)]
-    run = _train(2, backend, ours, *args)
+    run = _train(2, backend, ours, *args, jobs=shared_jobs)
     lr = "lr" if version == "2" else "learning_rate"
     expected, got = _csv(plain / "history-0.csv"), _csv(ours / "history-0.csv")
     # Stopped after the epoch plain Keras stops at (3 of 6), at the rates it set.
@@ -442,32 +446,34 @@ def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
     best = m["ranks"][0]["weights_digest"]  # EarlyStopping put the best epoch's back
     # The same command again: the stop is in the checkpoint; nothing more is trained, and
     # the weights are those the stopped run ended with (its last checkpoint written again).
-    again = _train(2, backend, ours, *args)
+    again = _train(2, backend, ours, *args, jobs=shared_jobs)
     assert "a callback stopped training after epoch 3 (in the checkpoint)" in again.stderr
     m = _metrics(ours, "vae")
     assert m["ranks"][0]["weights_digest"] == best
     assert m["stopped_early"] == 3 and m["optimizer_iterations"] == 3 * m["steps_per_epoch"]
     assert m["optimizers"]["optimizer"]["lr_single_worker"] == pytest.approx(2.5e-4)
     if version == "2":  # asking for more epochs than the stopped run did trains on
-        _train(2, backend, ours, *[a if a != "6" else "7" for a in args])
+        _train(2, backend, ours, *[a if a != "6" else "7" for a in args], jobs=shared_jobs)
         m = _metrics(ours, "vae")
         assert m["optimizer_iterations"] > 3 * m["steps_per_epoch"]
 
 
-def test_a_rate_set_by_a_callback_is_kept_across_a_resume(tmp_path):
+def test_a_rate_set_by_a_callback_is_kept_across_a_resume(shared_jobs, tmp_path):
     """ReduceLROnPlateau halves the rate after epoch 2; the run resumed from that epoch's
     checkpoint goes on at the halved rate (its own state starts afresh, as Keras's does)."""
     for epochs in ("2", "4"):
         _train(2, "gloo", tmp_path, "--keras", "2", "--models", "vae", "--epochs", epochs,
-               "--warmup-epochs", "0", "--callbacks", str(tmp_path))  # fmt: skip
+               "--warmup-epochs", "0", "--callbacks", str(tmp_path), jobs=shared_jobs)  # fmt: skip
     rates = [float(r["lr"]) for r in _csv(tmp_path / "history-0.csv")]  # appended by both runs
     assert rates == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4])
 
 
 @pytest.mark.parametrize("version, backend", [("2", "gloo")])  # Keras 3: test-slow
-def test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(version, backend, tmp_path):
+def test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(
+    version, backend, shared_jobs, tmp_path
+):
     _train(2, backend, tmp_path, "--keras", version, "--models", "gan", "--mixed-precision",
-           "float16")  # fmt: skip
+           "float16", jobs=shared_jobs)  # fmt: skip
     m = _metrics(tmp_path, "gan")
     assert m["mixed_precision"] == "mixed_float16"
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
@@ -477,19 +483,21 @@ def test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(version,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version, backend", [("3", "mpi")])
-def test_a_gan_in_float16_on_keras3(version, backend, tmp_path):
-    test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(version, backend, tmp_path)
+def test_a_gan_in_float16_on_keras3(version, backend, shared_jobs, tmp_path):
+    test_a_gan_in_float16_has_two_loss_scaled_optimizers_and_one_digest(
+        version, backend, shared_jobs, tmp_path
+    )
 
 
 @pytest.mark.parametrize("version, backend", [("3", "gloo")])
-def test_a_gan_killed_mid_epoch_resumes_bitwise(version, backend, tmp_path):
+def test_a_gan_killed_mid_epoch_resumes_bitwise(version, backend, shared_jobs, tmp_path):
     """--deterministic: the Keras 3 guide's GAN draws its noise from a seed generator, which
     the checkpoint holds. Killed after step 5 (checkpoint at step 4), run again: the same
     weights as a run never interrupted."""
     flags = ["--keras", version, "--models", "gan", "--epochs", "2", "--deterministic",
              "--checkpoint-every", "2"]  # fmt: skip
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    _train(2, backend, whole, *flags)
+    _train(2, backend, whole, *flags, jobs=shared_jobs)
     killed = _train(2, backend, cut, *flags, "--kill-at", "5", check=False)
     assert killed.returncode != 0 and "rank 1: killing itself after step 5" in killed.stderr
     resumed = _train(2, backend, cut, *flags)

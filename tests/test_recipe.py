@@ -32,26 +32,31 @@ def files(tmp_path_factory):
     return folder
 
 
-def train(backend, form, files, out, *extra, check=True):
-    """form: arrays, tfrecord, keras3 (arrays, the model in Keras 3) or keras3-tfrecord."""
+def train(backend, form, files, out, *extra, check=True, jobs=None):
+    """form: arrays, tfrecord, keras3 (arrays, the model in Keras 3) or keras3-tfrecord; in
+    a shared job of `jobs` where one is given."""
     if form.startswith("keras3"):
         form, extra = form.partition("-")[2] or "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
             "--checkpoint-every", "2", "--epochs", "3", "--checkpoint-dir", str(out / "ckpt"),
             "--metrics-json", str(out / "m.json"), *extra]  # fmt: skip
-    proc = run_job(2, backend, args, check=check)
+    if jobs is not None:
+        proc = jobs.get(2, backend).run_script(args, check=check)
+    else:
+        proc = run_job(2, backend, args, check=check)
     metrics = json.loads((out / "m.json").read_text()) if check else None
     return proc, metrics
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(files, tmp_path_factory):
+def uninterrupted(files, tmp_path_factory, shared_jobs):
     """form -> the metrics of an uninterrupted Gloo run (made once, for both backends)."""
     runs = {}
 
     def get(form):
         if form not in runs:
-            _, ref = train("gloo", form, files, tmp_path_factory.mktemp(f"ref-{form}"))
+            out = tmp_path_factory.mktemp(f"ref-{form}")
+            _, ref = train("gloo", form, files, out, jobs=shared_jobs)
             # 600 samples, 2 ranks, batch 16: 18 steps per epoch; checkpoints every 2 steps.
             assert ref["steps_per_epoch"] == 18 and ref["size"] == 2
             # BatchNorm statistics averaged, the weights identical on both ranks, checked.
@@ -68,7 +73,7 @@ def uninterrupted(files, tmp_path_factory):
     [("gloo", "arrays"), ("mpi", "tfrecord"), ("gloo", "keras3-tfrecord"), ("mpi", "keras3")],
 )
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
-    backend, form, files, uninterrupted, tmp_path
+    backend, form, files, uninterrupted, shared_jobs, tmp_path
 ):
     """Against the Gloo run's weights for both backends: MPI's sums of two ranks' gradients
     are Gloo's, bit for bit."""
@@ -80,7 +85,7 @@ def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     assert killed.returncode != 0 and "rank 1: killing itself after step 25" in output
     # global step 24: epoch-0001-step-000006
     assert "saved checkpoint" in output and "(after epoch 1, 6 steps into epoch 2)" in output
-    _, resumed = train(backend, form, files, run_dir)
+    _, resumed = train(backend, form, files, run_dir, jobs=shared_jobs)
     assert resumed["resumed_from"] == {"epoch": 1, "step": 6, "optimizer_iterations": 24}
     assert resumed["ranks"][0]["weights_digest"] == ref["ranks"][0]["weights_digest"]
     assert resumed["test"] == ref["test"]
@@ -104,9 +109,9 @@ def _records(folder, name, sizes, start=0):
     return start
 
 
-def cover(backend, hosts, folder, out, *extra):
+def cover(jobs, backend, hosts, folder, out, *extra):
     out.mkdir()
-    run_job(2, backend, [worker("records_cover.py"), str(folder), str(out), *extra], hosts=hosts)
+    jobs.get(2, backend, hosts).run_script([worker("records_cover.py"), folder, out, *extra])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -124,11 +129,13 @@ def _check_epochs(ranks, total):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(backend, tmp_path):
+def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(
+    backend, shared_jobs, tmp_path
+):
     folder = tmp_path / "data"
     total = _records(folder, "train", [7, 13, 20, 31, 9])  # 80 records: 10 steps of 4 per rank
     _records(folder, "test", [5, 12], start=1000)
-    ranks = cover(backend, "localhost:2", folder, tmp_path / "out")
+    ranks = cover(shared_jobs, backend, "localhost:2", folder, tmp_path / "out")
     assert [r["steps"] for r in ranks] == [10, 10] and ranks[0]["total"] == total
     _check_epochs(ranks, total)
     test = sorted(i for r in ranks for i in r["test"])
@@ -138,7 +145,7 @@ def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(backend, 
 @pytest.mark.parametrize(
     "backend, hosts", [("gloo", "localhost:1,127.0.0.1:1"), ("mpi", "localhost:2")]
 )
-def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, tmp_path):
+def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, shared_jobs, tmp_path):
     """Gloo: two hosts (two names of this machine), each with its own files of uneven sizes,
     one rank each. MPI: one host, its files split between its two local ranks."""
     folder = tmp_path / "data"
@@ -149,7 +156,7 @@ def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, tmp_pat
         total = _records(folder / "shared", "train", [7, 13, 9, 11])
         for name in {"localhost", "127.0.0.1", socket.gethostname()}:
             os.symlink(folder / "shared", folder / name)
-    ranks = cover(backend, hosts, folder, tmp_path / "out", "--per-host")
+    ranks = cover(shared_jobs, backend, hosts, folder, tmp_path / "out", "--per-host")
     assert [r["steps"] for r in ranks] == [5, 5] and ranks[0]["total"] == total == 40
     _check_epochs(ranks, total)
     if backend == "gloo":  # each rank read its own host's records only
@@ -157,8 +164,8 @@ def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, tmp_pat
         assert set(ranks[1]["epochs"][0]) == set(range(20, 40))
 
 
-def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, tmp_path):
-    _, m = train("gloo", "dataset", files, tmp_path)
+def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, shared_jobs, tmp_path):
+    _, m = train("gloo", "dataset", files, tmp_path, jobs=shared_jobs)
     assert m["data_source"] == "tf.data" and m["steps_per_epoch"] == 18
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
 

@@ -182,6 +182,8 @@ class OneJobAtATime:
         self.key, self.job = None, None
 
     def get(self, np, backend, hosts=None):
+        if backend in ("gloo", "mpi"):
+            hosts = hosts or f"localhost:{np}"  # as launch_argv reads None
         if self.key != (np, backend, hosts):
             self.close()
             self.key, self.job = (np, backend, hosts), SharedJob(np, backend, hosts)
