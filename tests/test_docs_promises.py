@@ -85,20 +85,18 @@ def _one_rank():
 
 
 @pytest.mark.parametrize("where", [w for w in RUNNABLE if w in BLOCKS])
-def test_a_whole_script_on_the_pages_trains_on_two_ranks_and_resumes(where, tmp_path):
-    """Copied from the page into train.py, run as the page says (-np 2 here), then the same
-    command again: it resumes."""
+def test_a_whole_script_on_the_pages_trains_on_two_ranks_and_resumes(where, shared_jobs, tmp_path):
+    """Copied from the page into train.py, run as the page says (-np 2 here, in the module's
+    shared job), then the same command again: it resumes."""
     prepare, flags = RUNNABLE[where]
     (tmp_path / "train.py").write_text(BLOCKS[where])
     if prepare:
         prepare(tmp_path)
-    argv = [*launch_argv(2, "gloo"), sys.executable, "train.py", *flags]
+    job = shared_jobs.get(2, "gloo")
     for _ in range(2):
-        proc = subprocess.run(
-            argv, env=job_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path
-        )
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "<stderr>:Traceback" not in out, out[-4000:]
+        proc = job.run_script([tmp_path / "train.py", *flags], cwd=tmp_path, timeout=300)
+        out = proc.stdout
+        assert "<stderr>:Traceback" not in out, out[-4000:]
     assert "resuming at epoch 2" in out or "already trained 1 of 1 epochs" in out, out[-3000:]
     assert (tmp_path / "ck" / "model.keras").exists()
 
