@@ -22,8 +22,9 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, tuning
-from hvdtrain.errors import HvdtrainError, invalid_value, note_ending, write_line
+from hvdtrain import compat, stall, tuning
+from hvdtrain.errors import HvdtrainError, note_ending, write_line
+from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 
 __all__ = [
     "init",
@@ -40,14 +41,6 @@ __all__ = [
 
 log = logging.getLogger("hvdtrain")
 
-# A rank that makes no progress for this long ends the job (Horovod's stall shutdown and
-# `hvdtrain.WatchdogCallback`). Long enough for a rank-0-only checkpoint, export or first-step
-# compile of a large model; short enough that a hung job does not hold its hosts for hours.
-STALL_SHUTDOWN_SECONDS = 300
-STALL_WARNING_SECONDS = 60  # Horovod's own default for the stall warning
-_STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
-_STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
-_STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
 _pinned = None  # the GPU index `init` pinned (rank_report says it)
 
 
@@ -102,66 +95,6 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     if affinity_count:
         share = min(share, affinity_count)
     return share
-
-
-def _seconds(value, name):
-    """A whole number of seconds >= 0 from an int or its decimal text, else the error."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not text.isdigit():
-        raise invalid_value(name, value, "a whole number of seconds >= 0 (0 turns it off)")
-    return int(text)
-
-
-def _env_int(text, default):
-    """Horovod's reading of a number variable (strtol: the leading digits, else 0)."""
-    digits = re.match(r"\s*\d*", text or "").group().strip()
-    return int(digits) if digits else (default if text is None else 0)
-
-
-def stall_settings(environ, shutdown_seconds=None):
-    """The HOROVOD_STALL_* variables that `init` sets: those missing from `environ` (pure).
-
-    Horovod (see horovod/common/stall_inspector.cc) lets rank 0 check, every
-    HOROVOD_STALL_CHECK_TIME_SECONDS, for tensors that some ranks submitted and others did
-    not; after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS it logs the missing ranks (marked `!`)
-    and shuts Horovod down on every rank, so the waiting ranks fail instead of hanging. Its
-    shutdown is off by default; hvdtrain turns it on.
-
-    Args:
-        environ: the process environment (read, never changed). Variables the user set
-            (e.g. by `horovodrun --stall-check-shutdown-time-seconds`) are kept.
-        shutdown_seconds: the shutdown time; by default HVDTRAIN_STALL_SHUTDOWN_SECONDS,
-            else `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
-
-    Returns:
-        {name: value} to set; the warning time is min(60, shutdown / 2), at least 1, since
-        Horovod ignores a shutdown time below the warning time.
-    """
-    if shutdown_seconds is None:
-        text = environ.get(_STALL_ENV, "").strip()
-        shutdown = _seconds(text, _STALL_ENV) if text else STALL_SHUTDOWN_SECONDS
-    else:
-        shutdown = _seconds(shutdown_seconds, "stall_shutdown_seconds")
-    out = {}
-    if _STALL_CHECK in environ:
-        warning = _env_int(environ[_STALL_CHECK], STALL_WARNING_SECONDS)
-    else:
-        warning = max(1, min(STALL_WARNING_SECONDS, shutdown // 2 or STALL_WARNING_SECONDS))
-        out[_STALL_CHECK] = str(warning)
-    if _STALL_SHUTDOWN not in environ:
-        out[_STALL_SHUTDOWN] = str(max(shutdown, warning) if shutdown else 0)
-    return out
-
-
-def stall_shutdown_seconds(environ=None):
-    """The stall shutdown time in effect (0: off), as Horovod reads it from `environ`, or
-    as `init` would set it when it has not run yet."""
-    environ = os.environ if environ is None else environ
-    if _env_int(environ.get("HOROVOD_STALL_CHECK_DISABLE"), 0) > 0:
-        return 0
-    if _STALL_SHUTDOWN not in environ:
-        environ = {**environ, **stall_settings(environ)}
-    return _env_int(environ.get(_STALL_SHUTDOWN), 0)
 
 
 def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
@@ -270,8 +203,7 @@ def _name_failures(rank):
             previous(kind, value, tb)
         if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
             return
-        watchdog = sys.modules.get("hvdtrain.watchdog")
-        last = watchdog.last_activity() if watchdog else None
+        last = stall.last_activity()
         where = f" (last: {last})" if last else ""
         if consequence:
             text = (
@@ -306,8 +238,6 @@ def agree(fn, *, root_only=False):
     goes on into a collective that the failed one never joins (a hang). Returns `fn()`'s
     result on each rank that ran it (None elsewhere).
     """
-    from hvdtrain.watchdog import holding
-
     result, message = None, None
     if not root_only or hvd.rank() == 0:
         try:
@@ -315,7 +245,7 @@ def agree(fn, *, root_only=False):
         except HvdtrainError as e:
             message = str(e)
     if hvd.size() > 1:
-        holding("done with a set-up step, waiting for the other ranks to finish it", True)
+        stall.holding("done with a set-up step, waiting for the other ranks to finish it", True)
         if root_only:
             message = hvd.broadcast_object(message, root_rank=0, name="hvdtrain.agree")
         else:

@@ -27,6 +27,14 @@ import time
 import tensorflow as tf
 
 from hvdtrain.errors import env_rank, invalid_value, note_ending
+from hvdtrain.stall import (
+    FIRST_STEP_FACTOR,
+    follow,
+    holding,
+    last_activity,
+    stall_shutdown_seconds,
+    waiting,
+)
 
 __all__ = [
     "Watchdog",
@@ -38,30 +46,6 @@ __all__ = [
 ]
 
 EXIT_CODE = 124  # as timeout(1): the process was ended for taking too long
-FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
-_latest = []  # the watchdog started last in this process
-
-
-def last_activity():
-    """What this rank was last doing, as its most recently started watchdog knows it."""
-    return _latest[0]._last[1] if _latest else None
-
-
-def waiting(what):
-    """Tells this process's watchdog (the one started last, if running) that it is in a
-    collective, waiting for the other ranks (twice the time): for collectives between
-    steps, so that a rank stuck on its own is the one named."""
-    if _latest and _latest[0]._thread is not None:
-        _latest[0].beat(what, waiting=True)
-
-
-def holding(what, waiting=False):
-    """Tells this process's watchdog (if running) that it is in a long phase of its own
-    (`FIRST_STEP_FACTOR` times the timeout: building the model, loading the data), or with
-    `waiting` that it is done and waits for the other ranks (2 timeouts more, so that a
-    rank stuck in the phase ends first and names itself)."""
-    if _latest and _latest[0]._thread is not None:
-        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0))
 
 
 def _end_process(message):
@@ -112,7 +96,7 @@ class Watchdog:
             if self.rank is None:
                 self.rank = _rank()
             self._stop.clear()
-            _latest[:] = [self]
+            follow(self)
             self._thread = threading.Thread(target=self._run, name="hvdtrain-watchdog")
             self._thread.daemon = True
             self._thread.start()
@@ -183,8 +167,6 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._armed = False  # the first step traces and compiles: `hold`, a longer limit
         if self._follow_stall_time:  # read now: hvdtrain.init() has run
-            from hvdtrain.runtime import stall_shutdown_seconds
-
             if self.watchdog is not None:
                 self.watchdog.stop()
             timeout = stall_shutdown_seconds()

@@ -1,0 +1,110 @@
+"""How long a rank may make no progress, and what it is doing: the leaf that `runtime`
+(Horovod's stall shutdown, set by `hvdtrain.init`) and `watchdog` (hvdtrain's own, for what
+Horovod's cannot see) both read, and that set-up steps and collectives between training
+steps tell what they are doing (`holding`, `waiting`), so that a stuck rank names itself.
+Nothing here imports TensorFlow or Horovod.
+"""
+
+import os
+import re
+
+from hvdtrain.errors import invalid_value
+
+# A rank that makes no progress for this long ends the job (Horovod's stall shutdown and
+# `hvdtrain.WatchdogCallback`). Long enough for a rank-0-only checkpoint, export or first-step
+# compile of a large model; short enough that a hung job does not hold its hosts for hours.
+STALL_SHUTDOWN_SECONDS = 300
+STALL_WARNING_SECONDS = 60  # Horovod's own default for the stall warning
+_STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+_STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+_STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
+FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
+_latest = []  # the watchdog started last in this process
+
+
+def follow(watchdog):
+    """Makes `watchdog` the one `last_activity`, `waiting` and `holding` tell (the watchdog
+    started last in this process)."""
+    _latest[:] = [watchdog]
+
+
+def last_activity():
+    """What this rank was last doing, as its most recently started watchdog knows it."""
+    return _latest[0]._last[1] if _latest else None
+
+
+def waiting(what):
+    """Tells this process's watchdog (the one started last, if running) that it is in a
+    collective, waiting for the other ranks (twice the time): for collectives between
+    steps, so that a rank stuck on its own is the one named."""
+    if _latest and _latest[0]._thread is not None:
+        _latest[0].beat(what, waiting=True)
+
+
+def holding(what, waiting=False):
+    """Tells this process's watchdog (if running) that it is in a long phase of its own
+    (`FIRST_STEP_FACTOR` times the timeout: building the model, loading the data), or with
+    `waiting` that it is done and waits for the other ranks (2 timeouts more, so that a
+    rank stuck in the phase ends first and names itself)."""
+    if _latest and _latest[0]._thread is not None:
+        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0))
+
+
+def _seconds(value, name):
+    """A whole number of seconds >= 0 from an int or its decimal text, else the error."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit():
+        raise invalid_value(name, value, "a whole number of seconds >= 0 (0 turns it off)")
+    return int(text)
+
+
+def _env_int(text, default):
+    """Horovod's reading of a number variable (strtol: the leading digits, else 0)."""
+    digits = re.match(r"\s*\d*", text or "").group().strip()
+    return int(digits) if digits else (default if text is None else 0)
+
+
+def stall_settings(environ, shutdown_seconds=None):
+    """The HOROVOD_STALL_* variables that `init` sets: those missing from `environ` (pure).
+
+    Horovod (see horovod/common/stall_inspector.cc) lets rank 0 check, every
+    HOROVOD_STALL_CHECK_TIME_SECONDS, for tensors that some ranks submitted and others did
+    not; after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS it logs the missing ranks (marked `!`)
+    and shuts Horovod down on every rank, so the waiting ranks fail instead of hanging. Its
+    shutdown is off by default; hvdtrain turns it on.
+
+    Args:
+        environ: the process environment (read, never changed). Variables the user set
+            (e.g. by `horovodrun --stall-check-shutdown-time-seconds`) are kept.
+        shutdown_seconds: the shutdown time; by default HVDTRAIN_STALL_SHUTDOWN_SECONDS,
+            else `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
+
+    Returns:
+        {name: value} to set; the warning time is min(60, shutdown / 2), at least 1, since
+        Horovod ignores a shutdown time below the warning time.
+    """
+    if shutdown_seconds is None:
+        text = environ.get(_STALL_ENV, "").strip()
+        shutdown = _seconds(text, _STALL_ENV) if text else STALL_SHUTDOWN_SECONDS
+    else:
+        shutdown = _seconds(shutdown_seconds, "stall_shutdown_seconds")
+    out = {}
+    if _STALL_CHECK in environ:
+        warning = _env_int(environ[_STALL_CHECK], STALL_WARNING_SECONDS)
+    else:
+        warning = max(1, min(STALL_WARNING_SECONDS, shutdown // 2 or STALL_WARNING_SECONDS))
+        out[_STALL_CHECK] = str(warning)
+    if _STALL_SHUTDOWN not in environ:
+        out[_STALL_SHUTDOWN] = str(max(shutdown, warning) if shutdown else 0)
+    return out
+
+
+def stall_shutdown_seconds(environ=None):
+    """The stall shutdown time in effect (0: off), as Horovod reads it from `environ`, or
+    as `init` would set it when it has not run yet."""
+    environ = os.environ if environ is None else environ
+    if _env_int(environ.get("HOROVOD_STALL_CHECK_DISABLE"), 0) > 0:
+        return 0
+    if _STALL_SHUTDOWN not in environ:
+        environ = {**environ, **stall_settings(environ)}
+    return _env_int(environ.get(_STALL_SHUTDOWN), 0)
