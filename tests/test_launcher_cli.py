@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.launcher.cli import run_command
+from hvdtrain.launcher.supervise import run_command
 
 BIN = os.path.dirname(sys.executable)
 RUN = os.path.join(BIN, "hvdtrain-run")

@@ -165,7 +165,7 @@ def test_a_rank_ending_starts_the_launchers_grace_and_unanswering_hosts_are_name
 
 STUCK_LAUNCHER = """
 import os, sys, time
-from hvdtrain.launcher.cli import run_command
+from hvdtrain.launcher.supervise import run_command
 # A launcher that forwards nothing and never ends (mpirun after a cut), whose local rank
 # leaves its last line before ending.
 rank = ("from hvdtrain.errors import note_ending; "
