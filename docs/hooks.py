@@ -22,6 +22,7 @@ MODULES = {  # the order and titles of the API page's sections
     "errors": "Errors",
     "logs": "Logging",
     "tuning": "Performance settings",
+    "rates": "The learning rate",
     "optim": "Optimisation",
     "metrics": "Metrics",
     "callbacks": "Callbacks",

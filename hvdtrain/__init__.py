@@ -70,9 +70,9 @@ _EXPORTS = {
     "get_logger": "logs",
     "compile_options": "tuning",
     # optimisation
-    "scaled_lr": "optim",
-    "warmup_lr": "optim",
-    "WarmupSchedule": "optim",
+    "scaled_lr": "rates",
+    "warmup_lr": "rates",
+    "WarmupSchedule": "rates",
     "distributed_optimizer": "optim",
     "fp16_compression": "optim",
     "broadcast_initial_state": "optim",

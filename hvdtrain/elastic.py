@@ -56,7 +56,7 @@ Horovod 0.28.1 pitfalls handled here (docs/fault-tolerance.md, "Elastic training
 * `hvd.DistributedOptimizer` rebuilds the optimizer from its config, schedule included:
   changing the schedule object given to it changes nothing. The optimizer is pointed back at
   that object, and the traced train step, which holds the rate as a constant, is dropped
-  when the size changes (`hvdtrain.optim.rescale_schedule`).
+  when the size changes (`hvdtrain.rates.rescale_schedule`).
 * Horovod turns the failures of the training function into a rollback, not those of the
   broadcast of rank 0's state before it: a worker dying then ended every worker.
   `ModelState.sync` turns them into one too.

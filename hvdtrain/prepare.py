@@ -30,7 +30,7 @@ built yet (its weights would appear after the broadcast); a legacy Keras 2 optim
 
 import dataclasses
 
-from hvdtrain import optim
+from hvdtrain import optim, rates
 from hvdtrain.errors import invalid_value
 
 __all__ = ["Optimizers", "find_optimizers", "distribute", "trains_itself"]
@@ -169,7 +169,7 @@ def distribute(model, frontend, cfg, size, policy=None, log=None):
             backward_passes_per_step=cfg.accumulate,
         )
         opt.learning_rate = schedule  # Horovod rebuilt it with a copy: see rescale_schedule
-        optim.show_single_worker_lr(opt)  # what Keras's callbacks read and set
+        rates.show_single_worker_lr(opt)  # what Keras's callbacks read and set
         if policy == "mixed_float16":
             opt = frontend.loss_scale(opt)
         # Slots exist before any broadcast or restore (also what an elastic state needs): for

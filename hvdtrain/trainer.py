@@ -49,6 +49,7 @@ from hvdtrain import (
     metrics,
     optim,
     prepare,
+    rates,
     runtime,
     tuning,
     usercallbacks,
@@ -244,7 +245,7 @@ class Run:
         # Horovod: the LR scale and warmup follow the number of ranks.
         self.warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
         for schedule in self.optimizers.schedules.values():
-            optim.rescale_schedule(self.model, schedule, p.size, self.warmup_steps)
+            rates.rescale_schedule(self.model, schedule, p.size, self.warmup_steps)
         if position is None:
             watchdog.holding("set-up: resuming from the newest checkpoint")
             self.start_step = self._resume(steps)
@@ -529,7 +530,7 @@ class Run:
     def lr_scaled(self):
         """The learning rate x ranks after the warmup (a number; None for a schedule)."""
         base = self.schedule.base_lr
-        return optim.scaled_lr(base, self.schedule.size) if isinstance(base, float) else None
+        return rates.scaled_lr(base, self.schedule.size) if isinstance(base, float) else None
 
     # -- evaluate and finish -------------------------------------------------------------
     def evaluate(self):

@@ -11,7 +11,7 @@
   (`ReduceLROnPlateau`, `LearningRateScheduler`) is rank 0's on every rank. They see the
   epoch's metrics of all ranks (`hvdtrain.metrics.MetricAverageCallback` runs first).
 - The learning rate a callback reads and sets is the single-worker one, as on one device;
-  hvdtrain applies it x ranks after its warmup (`hvdtrain.optim.single_worker_lr`).
+  hvdtrain applies it x ranks after its warmup (`hvdtrain.rates.single_worker_lr`).
 - They see one training: `on_train_begin` once and `on_train_end` once, although hvdtrain
   may run Keras's `fit` several times (one per epoch on Keras 3; the rest of an interrupted
   epoch after a resume).

@@ -17,7 +17,7 @@ import tensorflow as tf
 from conftest import ROOT, job_env, run_job, worker
 
 import hvdtrain
-from hvdtrain import optim, prepare, usercallbacks
+from hvdtrain import prepare, rates, usercallbacks
 from hvdtrain.errors import HvdtrainError
 
 WORKER = worker("customizing_fit.py")
@@ -161,7 +161,7 @@ def test_callbacks_read_and_set_the_single_worker_rate_and_updates_apply_it_x_ra
     opt = hvdtrain.distributed_optimizer(k.optimizers.SGD(schedule))
     opt.learning_rate = schedule
     assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.008)  # Keras's: applied
-    optim.show_single_worker_lr(opt)  # as hvdtrain.fit shows it to Keras's callbacks
+    rates.show_single_worker_lr(opt)  # as hvdtrain.fit shows it to Keras's callbacks
     w = tf.Variable([0.0]) if version == "2" else k.Variable([0.0])
     opt.build([w])
     assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.002)  # what a callback reads

@@ -74,9 +74,4 @@ def test_no_module_of_hvdtrain_imports_one_that_imports_it_back():
     modules = _modules()
     graph = {m: _imports(m, p, modules) for m, p in modules.items()}
     assert graph["hvdtrain.watchdog"] >= {"hvdtrain.stall"}  # the walk sees imports
-    circles = _circles(graph)
-    # Left (issue 36): optim asks the frontends which Keras owns a model and makes Keras 3's
-    # objects; the frontends build on optim's schedule and wrappers.
-    known = [["hvdtrain.frontends", "hvdtrain.frontends.keras2", "hvdtrain.frontends.keras3",
-              "hvdtrain.optim"]]  # fmt: skip
-    assert circles == known, circles
+    assert _circles(graph) == []

@@ -43,7 +43,7 @@ def test_shard_indices_and_steps():
 
 
 def test_warmup_lr_starts_at_base_and_reaches_base_times_size():
-    from hvdtrain.optim import WarmupSchedule, scaled_lr, warmup_lr
+    from hvdtrain.rates import WarmupSchedule, scaled_lr, warmup_lr
 
     assert scaled_lr(0.1, 4) == pytest.approx(0.4)
     assert warmup_lr(0, 0.1, 4, 100) == pytest.approx(0.1)

@@ -1,9 +1,12 @@
 """Keras 2 (`tf.keras` from tf-keras): what the recipe needs, with the same names as
 `hvdtrain.frontends.keras3`. The distributed optimizer is Horovod's own Keras wrapper."""
 
+import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from hvdtrain import compat, optim
+from hvdtrain import compat
+from hvdtrain.errors import invalid_value
+from hvdtrain.rates import WarmupSchedule, applying, class_attribute, single_worker_lr
 
 __all__ = [
     "NAME",
@@ -25,6 +28,7 @@ __all__ = [
     "WarmupSchedule",
     "is_distributed",
     "distributed_optimizer",
+    "horovod_optimizer",
     "loss_scale",
     "optimizer_variables",
     "current_loss_scale",
@@ -40,8 +44,13 @@ ONE_EPOCH_PER_FIT = False  # whole executions only: a fit per epoch ends the las
 NAME = "Keras 2 (tf-keras)"
 keras = tf.keras
 PACKAGE = keras.Model.__module__.partition(".")[0]  # tf_keras (Keras 2.15: keras itself)
-WarmupSchedule = optim.WarmupSchedule
-is_distributed = optim.is_distributed
+
+
+def is_distributed(optimizer):
+    """True for an optimizer that `hvd.DistributedOptimizer` (or `distributed_optimizer`)
+    made, also inside a loss-scale optimizer."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(inner, "_allreduce_grads", None) is not None
 
 
 def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1):
@@ -49,9 +58,75 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     gradients averaged dense, so that every rank applies them with the same dense update
     (a sparse update on a GPU adds in no fixed order: the ranks' weights would differ in
     their last bits, and the check that they agree would stop the run)."""
-    return optim.distributed_optimizer(
-        optimizer, compression, backward_passes_per_step, sparse_as_dense=True
+    return horovod_optimizer(optimizer, compression, backward_passes_per_step, sparse_as_dense=True)
+
+
+def horovod_optimizer(optimizer, compression=None, backward_passes_per_step=1, **kwargs):
+    """`hvdtrain.distributed_optimizer` for a Keras 2 optimizer: Horovod's own
+    `DistributedOptimizer` (`kwargs` passed on to it), averaging the gradients also where a
+    `train_step` of the user's own only applies them."""
+    compat.require_keras2()  # Horovod's wrapper fails deep inside `fit` on Keras 3
+    if is_distributed(optimizer):  # Horovod would wrap it again, and recurse without end
+        raise invalid_value(
+            "optimizer",
+            type(optimizer).__name__ + " (already distributed)",
+            "a plain Keras optimizer: wrap it once",
+        )
+    if compression is not None:
+        kwargs["compression"] = compression
+    if backward_passes_per_step > 1:
+        kwargs["backward_passes_per_step"] = backward_passes_per_step
+        kwargs.setdefault("average_aggregated_gradients", True)
+        # An Embedding's gradient is IndexedSlices, which Horovod's local sums refuse ("not
+        # supported when backward_passes_per_step > 1 and sparse_as_dense is False").
+        kwargs.setdefault("sparse_as_dense", True)
+    return _averaging_where_applied(hvd_keras.DistributedOptimizer(optimizer, **kwargs))
+
+
+def _averaging_where_applied(made):
+    """Horovod's Keras 2 optimizer `made`, averaging the gradients also where they are only
+    applied.
+
+    Horovod's averages them in `compute_gradients`, which Keras's own `train_step` calls
+    (`minimize`); a `train_step` of the user's own (`tape.gradient`, then
+    `optimizer.apply_gradients`, as the Keras guides write GANs and VAEs) never calls it, and
+    each rank applied its own gradients: the ranks drifted apart, silently. Here
+    `apply_gradients` averages the gradients it is given unless `compute_gradients` did in
+    the same step (`_hvdtrain_reduced`, set while the step is traced or run). Its class is
+    Horovod's with those methods and `learning_rate` (`single_worker_lr`) replaced, made from
+    the same namespace as Horovod makes it: a subclass would recurse, Horovod's methods
+    calling `super(self.__class__, self)`."""
+    horovod = type(made)
+    namespace = dict(horovod.__dict__)
+    reduce, apply = namespace["_allreduce"], namespace["apply_gradients"]
+
+    def _allreduce(self, grads, variables):
+        self._hvdtrain_reduced = True
+        return reduce(self, grads, variables)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        try:
+            if not self._hvdtrain_reduced:
+                pairs = list(grads_and_vars)
+                variables = [v for _, v in pairs]
+                grads = self._allreduce([g for g, _ in pairs], variables)
+                grads_and_vars = list(zip(grads, variables, strict=True))
+            return apply(self, grads_and_vars, *args, **kwargs)
+        finally:
+            self._hvdtrain_reduced = False
+
+    namespace.update(
+        _allreduce=_allreduce,
+        apply_gradients=applying(apply_gradients),
+        _hvdtrain_reduced=False,
+        _hvdtrain_applying=False,
+        _hvdtrain_single_worker=False,
     )
+    keras_lr = class_attribute(horovod, "learning_rate")
+    if isinstance(keras_lr, property):  # (legacy optimizers keep theirs)
+        namespace["learning_rate"] = single_worker_lr(keras_lr)
+    object.__setattr__(made, "__class__", type(horovod.__name__, horovod.__bases__, namespace))
+    return made
 
 
 def owns(model):

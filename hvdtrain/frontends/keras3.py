@@ -11,7 +11,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from hvdtrain import optim
+from hvdtrain import rates
 from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = [
@@ -141,13 +141,7 @@ def base_lr(opt):
     return float(keras.ops.convert_to_numpy(opt.learning_rate))
 
 
-@keras.saving.register_keras_serializable(package="hvdtrain")
-@tf.keras.utils.register_keras_serializable(package="hvdtrain", name="WarmupScheduleKeras3")
-class WarmupSchedule(optim.WarmupSchedule, keras.optimizers.schedules.LearningRateSchedule):
-    """`hvdtrain.WarmupSchedule` once Keras 3 is imported: a schedule of both Keras (the
-    optimizers of each check for their own base class), saved and loaded by either."""
-
-    schedules = keras.optimizers.schedules
+WarmupSchedule = rates.keras3_schedule()  # of both Keras; registered with both
 
 
 def is_distributed(opt):
@@ -220,14 +214,14 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
         last = tf.equal((self.iterations + 1) % passes, 0)
         return tf.cond(last, update, add)
 
-    keras_lr = optim.class_attribute(cls, "learning_rate")
+    keras_lr = rates.class_attribute(cls, "learning_rate")
     distributed = type(
         f"Distributed{cls.__name__}",
         (cls,),
         {
-            "apply": optim.applying(apply),
+            "apply": rates.applying(apply),
             "build": build,
-            "learning_rate": optim.single_worker_lr(keras_lr),
+            "learning_rate": rates.single_worker_lr(keras_lr),
             "_hvdtrain_applying": False,
             "_hvdtrain_single_worker": False,
             "_hvdtrain_distributed": True,

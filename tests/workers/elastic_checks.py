@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
-from hvdtrain import elastic, optim
+from hvdtrain import elastic, rates
 
 out = {}
 hvdtrain.init(threads=1)
@@ -45,7 +45,7 @@ for how in ("schedule_given", "repointed", "hvdtrain"):
     model = one_weight_model(optimizer)
     first = step_size(model)
     if how == "hvdtrain":
-        optim.rescale_schedule(model, schedule, 1, 0)
+        rates.rescale_schedule(model, schedule, 1, 0)
     else:
         schedule.size = 1
     out[f"lr_steps_{how}"] = [first, step_size(model)]
