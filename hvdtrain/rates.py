@@ -7,6 +7,8 @@ so it ramps linearly from the single-worker rate to N times that over the warmup
 Keras's frontends build on this module; it imports neither of them.
 """
 
+import functools
+
 import tensorflow as tf
 
 from hvdtrain import compat
@@ -145,26 +147,22 @@ class WarmupSchedule(WarmupMath, tf.keras.optimizers.schedules.LearningRateSched
         return super().__new__(cls)
 
 
+@functools.cache  # one class: registering it twice would fail
 def keras3_schedule():
     """`WarmupSchedule` as a schedule of both Keras (`hvdtrain.frontends.keras3`'s): made
     once Keras 3 is imported, and registered with both Keras so that either loads it."""
-    if not _KERAS3:
-        keras = compat.keras3_imported()
+    keras = compat.keras3_imported()
 
-        @keras.saving.register_keras_serializable(package="hvdtrain", name="WarmupSchedule")
-        @tf.keras.utils.register_keras_serializable(package="hvdtrain", name="WarmupScheduleKeras3")
-        class WarmupScheduleKeras3(WarmupSchedule, keras.optimizers.schedules.LearningRateSchedule):
-            """`hvdtrain.WarmupSchedule` once Keras 3 is imported: a schedule of both Keras (the
-            optimizers of each check for their own base class), saved and loaded by either."""
+    @keras.saving.register_keras_serializable(package="hvdtrain", name="WarmupSchedule")
+    @tf.keras.utils.register_keras_serializable(package="hvdtrain", name="WarmupScheduleKeras3")
+    class WarmupScheduleKeras3(WarmupSchedule, keras.optimizers.schedules.LearningRateSchedule):
+        """`hvdtrain.WarmupSchedule` once Keras 3 is imported: a schedule of both Keras (the
+        optimizers of each check for their own base class), saved and loaded by either."""
 
-            schedules = keras.optimizers.schedules
+        schedules = keras.optimizers.schedules
 
-        WarmupScheduleKeras3.__name__ = WarmupScheduleKeras3.__qualname__ = "WarmupSchedule"
-        _KERAS3.append(WarmupScheduleKeras3)
-    return _KERAS3[0]
-
-
-_KERAS3 = []  # the Keras 3 subclass, once made
+    WarmupScheduleKeras3.__name__ = WarmupScheduleKeras3.__qualname__ = "WarmupSchedule"
+    return WarmupScheduleKeras3
 
 
 def single_worker_lr(keras_property):

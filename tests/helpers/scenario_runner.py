@@ -84,8 +84,8 @@ def mark(what):
 def main():
     host, port = sys.argv[1].rsplit(":", 1)
     rank = int(os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
-    for path in (os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers"),):
-        sys.path.insert(0, path)  # the scenarios live beside the workers
+    workers = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
+    sys.path.insert(0, workers)  # the scenarios live beside the workers
     with socket.create_connection((host, int(port)), timeout=600) as conn:
         conn.settimeout(None)
         stream = conn.makefile("rw", encoding="utf-8")
