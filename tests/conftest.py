@@ -79,12 +79,15 @@ def _starts_processes(thing, seen):
 
 
 def pytest_collection_modifyitems(config, items):
+    verdicts = {}  # each function read once, not once per parametrized test
     for item in items:
-        seen = set()
         functions = [getattr(item, "function", None)] + [
             d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
         ]
-        if any(_starts_processes(f, seen) for f in functions if f is not None):
+        for f in functions:
+            if f is not None and f not in verdicts:
+                verdicts[f] = _starts_processes(f, set())
+        if any(verdicts.get(f) for f in functions):
             item.add_marker(pytest.mark.processes)
 
 
