@@ -36,8 +36,11 @@ lint: setup
 
 # The slow scenarios (kills and cuts over many runs, elastic, SLURM, namespace hosts, the Docker
 # image, the benchmark's quick run) keep `make test` under 45 minutes here: `make test-slow`.
+# TEST_WORKERS pytest processes (pytest-xdist) run the test files side by side, each file's tests
+# in one of them (its shared jobs with it): the rank processes leave half of 2 cores idle alone.
+TEST_WORKERS ?= 2
 test: setup-test lint
-	python -m pytest -m "not slow and not gpu_image"
+	python -m pytest -m "not slow and not gpu_image" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup-test
 	python -m pytest -m slow

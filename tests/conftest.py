@@ -91,20 +91,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.processes)
 
 
+_LEFT_OUT = {}  # marker -> how many tests with it this run deselected
+
+
+def pytest_deselected(items):
+    for marker in ("slow", "gpu_image"):
+        found = sum(1 for i in items if i.get_closest_marker(marker))
+        _LEFT_OUT[marker] = _LEFT_OUT.get(marker, 0) + found
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: tell the controller
+        session.config.workeroutput["left_out"] = _LEFT_OUT
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller of `pytest -n`: every worker collects (and deselects) every test."""
+    for marker, count in getattr(node, "workeroutput", {}).get("left_out", {}).items():
+        _LEFT_OUT[marker] = max(_LEFT_OUT.get(marker, 0), count)
+
+
 @pytest.hookimpl(trylast=True)  # after the durations: the run's last words
 def pytest_terminal_summary(terminalreporter, config):
     """`make test` leaves the slow scenarios and the GPU image out: say so, and how to run them."""
     if "not slow" not in config.option.markexpr:
         return
-    deselected = terminalreporter.stats.get("deselected", [])
     for marker, how in (
         ("slow", "`make test-slow` runs them, and CI runs both (.ci/run)"),
         ("gpu_image", "`make test-gpu-image` runs them (a cold build: about 21 min; not in CI)"),
     ):
-        left = [i for i in deselected if i.get_closest_marker(marker)]
-        if left:
+        if _LEFT_OUT.get(marker):
             terminalreporter.write_line(
-                f"left out: {len(left)} {marker} test(s); {how}", yellow=True, bold=True
+                f"left out: {_LEFT_OUT[marker]} {marker} test(s); {how}", yellow=True, bold=True
             )
 
 
