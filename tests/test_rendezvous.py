@@ -1,0 +1,234 @@
+"""A Gloo job's rendezvous lets in only the job (docs/fault-tolerance.md, "What a job
+exposes"): horovodrun's HTTP store listens only where the ranks reach it and refuses (403)
+a request without the job's token or from an address that is not one of the job's hosts;
+the token never shows. The elastic services' own checks (Horovod's HMAC) are tested too."""
+
+import contextlib
+import http.client
+import json
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import BIN, job_env, launch_argv, run_job, start_job, worker
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from horovod.runner.http.http_server import TOKEN_HEADER, RendezvousServer
+
+JOB = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "1", "--limit-samples", "1024",
+       "--threads", "1"]  # fmt: skip
+# What a probe may see from a server that refuses it: 403, or the server gone at the end.
+REFUSED = {"403", "refused", "ConnectionResetError", "RemoteDisconnected", "BrokenPipeError"}
+
+
+def _ask(port, method, path, body=None, token=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path, body=body, headers={TOKEN_HEADER: token} if token else {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_the_server_answers_only_its_token_from_its_hosts(capfd):
+    server = RendezvousServer()
+    port = server.start(host="127.0.0.1", token="job-token")
+    server.init(get_host_assignments(parse_hosts("localhost:2"), 2))
+    try:
+        assert server._httpd.server_address == ("127.0.0.1", port)  # not every interface
+        assert _ask(port, "PUT", "/global/0", b"rank 0", token="job-token")[0] == 200
+        for token in (None, "wrong", "job-token-", "JOB-TOKEN"):
+            assert _ask(port, "GET", "/global/0", token=token)[0] == 403
+            assert _ask(port, "PUT", "/global/0", b"garbage", token=token)[0] == 403
+            assert _ask(port, "DELETE", "/global/0", token=token)[0] == 403
+        assert _ask(port, "GET", "/global/0", token="job-token") == (200, b"rank 0")
+        # An address that none of the job's hosts resolves to: refused, even with the token.
+        httpd = server._httpd
+        assert httpd.refusal("192.0.2.7", "job-token") == "not one of the job's hosts"
+        assert httpd.refusal("127.0.0.1", "job-token") is None
+    finally:
+        server.stop()
+    err = capfd.readouterr().err
+    # One line per refused address, and never the token.
+    refused = "horovodrun: refused a rendezvous request from"
+    assert err.count(f"{refused} 127.0.0.1: it lacks the job's token") == 1
+    assert f"{refused} 192.0.2.7: not one of the job's hosts" in err
+    assert "job-token" not in err
+
+
+def test_a_server_started_without_a_token_answers_as_before():
+    """Horovod's other users of the server (Spark, Ray) start it without a token."""
+    server = RendezvousServer()
+    port = server.start()
+    server.init(get_host_assignments(parse_hosts("localhost:1"), 1))
+    try:
+        assert server._httpd.server_address[0] == "0.0.0.0"
+        assert _ask(port, "PUT", "/s/k", b"v")[0] == 200 and _ask(port, "GET", "/s/k") == (
+            200,
+            b"v",
+        )
+    finally:
+        server.stop()
+
+
+def _ranks(launcher, count):
+    """The rank processes under `launcher` once `count` of them hold the rendezvous
+    variables, and those variables (polls the process tree; fails after 120 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = {}
+        for p in launcher.children(recursive=True):
+            try:
+                env = p.environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if "HOROVOD_RANK" in env and "HOROVOD_GLOO_RENDEZVOUS_PORT" in env:
+                found[p.pid] = env
+        if len(found) == count:
+            return found
+        psutil.wait_procs([launcher], timeout=0.1)
+    pytest.fail(f"the ranks of {launcher.pid} did not start")
+
+
+def _probe(address, port, launcher_pid, unpickled, token=None):
+    """rendezvous_probe.py: until the launcher ends, requests from outside the job; it puts
+    a value that creates the file `unpickled` if the server unpickles it."""
+    argv = [sys.executable, worker("rendezvous_probe.py"), address, str(port),
+            str(launcher_pid), str(unpickled)]  # fmt: skip
+    return subprocess.Popen(argv + ([token] if token else []), stdout=subprocess.PIPE, text=True)
+
+
+def _probed(probe):
+    out, _ = probe.communicate(timeout=330)
+    return json.loads(out)
+
+
+def test_a_gloo_job_refuses_probes_and_trains_to_the_same_weights(tmp_path):
+    """While a 2-rank Gloo job starts and trains, two processes on this host (one without a
+    token, one with a wrong one) read, overwrite and delete the ranks' entries as fast as
+    they can: every request is refused, and the job ends on the weights of a run without
+    them. The server listens on loopback only, and the token never shows."""
+    reference = tmp_path / "reference.json"
+    run_job(2, "gloo", [*JOB, "--metrics-json", str(reference)])
+
+    metrics, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
+    argv = [*launch_argv(2, "gloo"), "--verbose", sys.executable, *JOB,
+            "--metrics-json", str(metrics), "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    proc, out = start_job(argv)
+    launcher = psutil.Process(proc.pid)
+    ranks = _ranks(launcher, 2)
+    (env,) = {(e["HOROVOD_GLOO_RENDEZVOUS_ADDR"], e["HOROVOD_GLOO_RENDEZVOUS_PORT"],
+               e["HOROVOD_GLOO_RENDEZVOUS_TOKEN"]) for e in ranks.values()}  # fmt: skip
+    address, port, token = env[0], int(env[1]), env[2]
+    assert address == "127.0.0.1" and len(token) >= 32
+    unpickled = tmp_path / "unpickled"
+    probes = [_probe(address, port, proc.pid, unpickled),
+              _probe(address, port, proc.pid, unpickled, "0" * 32)]  # fmt: skip
+
+    listening = {c.laddr for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert listening == {("127.0.0.1", port)}  # not 0.0.0.0
+    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+              if a.family == socket.AF_INET and not a.address.startswith("127.")]  # fmt: skip
+    for other in others:  # this host's other addresses: nothing listens there
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((other, port), timeout=5).close()
+    commands = [" ".join(p.cmdline()) for p in [launcher, *launcher.children(recursive=True)]]
+
+    code = out.rest()
+    answers = [_probed(p) for p in probes]
+    assert code == 0, "".join(out.lines[-60:])
+    for a in answers:
+        assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
+    assert not unpickled.exists()  # what the probes sent was never unpickled
+    m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
+    assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
+    text = "".join(out.lines)
+    assert "refused a rendezvous request from 127.0.0.1: it lacks the job's token" in text
+
+    # The token: not in the output (horovodrun --verbose prints the ranks' commands), the
+    # launcher's or the ranks' command lines, the metrics, or a checkpoint's files.
+    assert token not in text
+    assert not [c for c in commands if token in c]
+    assert token not in metrics.read_text()
+    for f in ckpt.rglob("*"):
+        assert not f.is_file() or token.encode() not in f.read_bytes(), f
+
+
+def _listening(processes):
+    """The TCP addresses the processes listen on."""
+    found = set()
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found |= {c.laddr for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def _unsigned(port):
+    """What a Horovod service (HMAC-signed requests) answers a request signed with the wrong
+    key: a PingRequest as Horovod's Wire writes it, with a digest of zeros."""
+    message = pickle.dumps(("PingRequest",))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"\0" * 32 + struct.pack("i", len(message)) + message)
+        s.shutdown(socket.SHUT_WR)
+        return s.recv(4096)
+
+
+@pytest.mark.slow
+def test_an_elastic_job_refuses_probes_and_its_services_refuse_unsigned_requests(tmp_path):
+    """An elastic job's rendezvous listens on the chosen interface only and refuses probes
+    as a static job's does; each worker's notification service (Horovod's, on every
+    interface) answers nothing to a request without Horovod's secret; the job ends on the
+    weights of an elastic run without the probes."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+
+    def elastic(metrics):
+        argv = [os.path.join(BIN, "hvdtrain-run"), "--elastic", "--min-np", "2", "--max-np", "2",
+                "--host-discovery-script", str(discover), "--network-interface", "lo", "--",
+                sys.executable, *JOB, "--elastic", "--metrics-json", str(metrics)]  # fmt: skip
+        return start_job(argv, job_env(HOROVOD_GLOO_TIMEOUT_SECONDS="60"))
+
+    reference = tmp_path / "reference.json"
+    proc, out = elastic(reference)
+    assert out.rest() == 0, "".join(out.lines[-60:])
+
+    metrics = tmp_path / "m.json"
+    proc, out = elastic(metrics)
+    launcher = psutil.Process(proc.pid)
+    ranks = _ranks(launcher, 2)
+    (env,) = {(e["HOROVOD_GLOO_RENDEZVOUS_ADDR"], e["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+              for e in ranks.values()}  # fmt: skip
+    address, port = env[0], int(env[1])
+    unpickled = tmp_path / "unpickled"
+    probes = [_probe(address, port, proc.pid, unpickled),
+              _probe(address, port, proc.pid, unpickled, "0" * 32)]  # fmt: skip
+    launchers = [launcher, *(p for p in launcher.children(recursive=True) if p.pid not in ranks)]
+    assert ("127.0.0.1", port) in _listening(launchers)
+    assert not [a for a in _listening(launchers) if a.port == port and a.ip != "127.0.0.1"]
+
+    # The workers' notification services (Horovod's, one per worker, on every interface)
+    # answer only requests signed with Horovod's secret. Polled: a worker starts its service
+    # once it has joined.
+    deadline, services = time.monotonic() + 120, set()
+    while len(services) < 2 and time.monotonic() < deadline:
+        services = {a.port for a in _listening(map(psutil.Process, ranks)) if a.ip == "0.0.0.0"}
+        psutil.wait_procs([launcher], timeout=0.2)
+    assert len(services) == 2, services
+    for service in services:
+        assert _unsigned(service) == b""
+
+    code = out.rest()
+    answers = [_probed(p) for p in probes]
+    assert code == 0, "".join(out.lines[-60:])
+    for a in answers:
+        assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
+    assert not unpickled.exists()  # what the probes sent was never unpickled
+    m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
+    assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
