@@ -19,6 +19,7 @@ import pytest
 from conftest import BIN, job_env, launch_argv, run_job, start_job, worker
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from horovod.runner.http.http_server import TOKEN_HEADER, RendezvousServer
+from netns_hosts import NamespaceHosts, cannot_make_namespaces
 
 JOB = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "1", "--limit-samples", "1024",
        "--threads", "1"]  # fmt: skip
@@ -232,3 +233,56 @@ def test_an_elastic_job_refuses_probes_and_its_services_refuse_unsigned_requests
     assert not unpickled.exists()  # what the probes sent was never unpickled
     m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
     assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
+
+
+@pytest.mark.slow
+def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_path):
+    """Three namespace hosts; a Gloo job on the first two. The rendezvous listens on the
+    first host's eth0 address only; the third host (not in the job) is refused even with
+    the job's token, the second (in the job) without it; the remote rank got the token
+    over ssh, and the job ends on the weights of a run without the probes."""
+    why = cannot_make_namespaces()
+    if why:
+        pytest.skip(why)
+    with NamespaceHosts(3, tmp_path / "hosts") as hosts:
+        hostfile = tmp_path / "hosts.txt"
+        hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses[:2]))
+
+        def job(metrics):
+            return [os.path.join(BIN, "hvdtrain-run"), "--hostfile", str(hostfile),
+                    "--backend", "gloo", "--network-interface", "eth0", "--",
+                    sys.executable, *JOB, "--metrics-json", str(metrics)]  # fmt: skip
+
+        env = hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2")
+        reference = tmp_path / "reference.json"
+        proc = hosts.run(0, job(reference), timeout=300, **env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+        metrics = tmp_path / "m.json"
+        proc, out = start_job(hosts._in(0, job(metrics)), env=env)
+        launcher = psutil.Process(proc.pid)
+        ranks = _ranks(launcher, 1)  # the first host's rank; the other is under ssh there
+        (rank,) = ranks.values()
+        address, port = rank["HOROVOD_GLOO_RENDEZVOUS_ADDR"], rank["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+        token = rank["HOROVOD_GLOO_RENDEZVOUS_TOKEN"]
+        assert address == hosts.addresses[0]
+        unpickled = tmp_path / "unpickled"
+        probe = [sys.executable, worker("rendezvous_probe.py"), address, port, str(proc.pid),
+                 str(unpickled)]  # fmt: skip
+        probes = [
+            subprocess.Popen(hosts._in(2, [*probe, token]), env=env, stdout=subprocess.PIPE),
+            subprocess.Popen(hosts._in(1, probe), env=env, stdout=subprocess.PIPE),
+        ]
+        code = out.rest()
+        answers = [json.loads(p.communicate(timeout=330)[0]) for p in probes]
+        assert code == 0, "".join(out.lines[-60:])
+        for a in answers:
+            assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
+        assert not unpickled.exists()
+        text = "".join(out.lines)
+        assert f"from {hosts.addresses[2]}: not one of the job's hosts" in text
+        assert f"from {hosts.addresses[1]}: it lacks the job's token" in text
+        assert token not in text
+        m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
+        assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
+        assert len(m["ranks"]) == 2
