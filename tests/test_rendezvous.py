@@ -1,4 +1,4 @@
-"""A Gloo job's rendezvous lets in only the job (docs/fault-tolerance.md, "What a job
+"""A Gloo job's rendezvous lets in only the job (docs/launching.md, "What a job
 exposes"): horovodrun's HTTP store listens only where the ranks reach it and refuses (403)
 a request without the job's token or from an address that is not one of the job's hosts;
 the token never shows. The elastic services' own checks (Horovod's HMAC) are tested too."""
@@ -17,9 +17,15 @@ import time
 import psutil
 import pytest
 from conftest import BIN, job_env, launch_argv, run_job, start_job, worker
+from horovod.runner.common.util import secret
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from horovod.runner.common.util.network import PingRequest
+from horovod.runner.driver.driver_service import HorovodRunDriverService
 from horovod.runner.http.http_server import TOKEN_HEADER, RendezvousServer
+from horovod.runner.task.task_service import HorovodRunTaskService
 from netns_hosts import NamespaceHosts, cannot_make_namespaces
+
+from hvdtrain.launcher.commands import is_secret, redact_text
 
 JOB = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "1", "--limit-samples", "1024",
        "--threads", "1"]  # fmt: skip
@@ -76,6 +82,28 @@ def test_a_server_started_without_a_token_answers_as_before():
         )
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("service", ["driver", "task"])
+def test_horovodruns_own_services_answer_only_requests_signed_with_the_jobs_key(service):
+    """The driver and task services horovodrun starts to find the hosts' common interfaces
+    (Horovod's, real, in this process) listen on every interface and answer only requests
+    signed (HMAC) with the job's key: unsigned, the connection closes unanswered."""
+    key = secret.make_secret_key()
+    made = HorovodRunDriverService(1, key, None) if service == "driver" else None
+    made = made or HorovodRunTaskService(0, key, None)
+    try:
+        assert made._server.server_address[0] == "0.0.0.0"
+        assert _unsigned(made.get_port()) == b""
+        assert _unsigned(made.get_port(), key) != b""  # the same request, signed: answered
+    finally:
+        made.shutdown()
+
+
+def test_the_token_is_masked_in_what_hvdtrain_run_prints():
+    assert is_secret("HOROVOD_GLOO_RENDEZVOUS_TOKEN")
+    line = redact_text("horovodrun -x HOROVOD_GLOO_RENDEZVOUS_TOKEN=0123abcd python t.py")
+    assert "0123abcd" not in line and "HOROVOD_GLOO_RENDEZVOUS_TOKEN" in line
 
 
 def _ranks(launcher, count):
@@ -170,12 +198,13 @@ def _listening(processes):
     return found
 
 
-def _unsigned(port):
-    """What a Horovod service (HMAC-signed requests) answers a request signed with the wrong
-    key: a PingRequest as Horovod's Wire writes it, with a digest of zeros."""
-    message = pickle.dumps(("PingRequest",))
+def _unsigned(port, key=None):
+    """What a Horovod service (HMAC-signed requests) answers a PingRequest written as
+    Horovod's Wire writes it, signed with `key`, or with a digest of zeros."""
+    message = pickle.dumps(PingRequest())
+    digest = secret.compute_digest(key, message) if key else b"\0" * secret.DIGEST_LENGTH
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"\0" * 32 + struct.pack("i", len(message)) + message)
+        s.sendall(digest + struct.pack("i", len(message)) + message)
         s.shutdown(socket.SHUT_WR)
         return s.recv(4096)
 
