@@ -76,6 +76,13 @@ def test_host_problems():
         "4 slots but 2 GPUs (one process per GPU)",
     ]
     assert host_problems(dict(GOOD, python="3.11.9", gpus=0), GOOD, slots=8) == []  # CPU host
+    # Another build of Horovod: its ranks would send no rendezvous token (docs/launching.md).
+    patched = dict(GOOD, horovod_patch="0123456789ab")
+    assert host_problems(GOOD, patched) == [
+        "Horovod built with patch none (launch host: 0123456789ab); "
+        "build it with launch/install_horovod.sh on every host"
+    ]
+    assert host_problems(patched, patched) == []
     assert host_problems({"error": "ssh failed: x"}, GOOD) == ["ssh failed: x"]
     broken = dict(GOOD, build={}, check_build_error="exit 1: boom")
     assert host_problems(broken) == ["horovodrun --check-build failed: exit 1: boom"]

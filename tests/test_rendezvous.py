@@ -269,7 +269,8 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
     """Three namespace hosts; a Gloo job on the first two. The rendezvous listens on the
     first host's eth0 address only; the third host (not in the job) is refused even with
     the job's token, the second (in the job) without it; the remote rank got the token
-    over ssh, and the job ends on the weights of a run without the probes."""
+    over ssh (what horovodrun --verbose prints says ***), and the job ends on the weights of
+    a run (`hvdtrain-run`) without the probes."""
     why = cannot_make_namespaces()
     if why:
         pytest.skip(why)
@@ -287,8 +288,13 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
         proc = hosts.run(0, job(reference), timeout=300, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
+        # The probed run: horovodrun itself, --verbose (it prints the ranks' commands).
         metrics = tmp_path / "m.json"
-        proc, out = start_job(hosts._in(0, job(metrics)), env=env)
+        hostlist = ",".join(f"{a}:1" for a in hosts.addresses[:2])
+        verbose = [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", hostlist, "--gloo",
+                   "--network-interface", "eth0", "--verbose", sys.executable, *JOB,
+                   "--metrics-json", str(metrics)]  # fmt: skip
+        proc, out = start_job(hosts._in(0, verbose), env=env)
         launcher = psutil.Process(proc.pid)
         ranks = _ranks(launcher, 1)  # the first host's rank; the other is under ssh there
         (rank,) = ranks.values()
@@ -312,6 +318,7 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
         assert f"from {hosts.addresses[2]}: not one of the job's hosts" in text
         assert f"from {hosts.addresses[1]}: it lacks the job's token" in text
         assert token not in text
+        assert "HOROVOD_GLOO_RENDEZVOUS_TOKEN=***" in text  # the remote rank's command, shown
         m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
         assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
         assert len(m["ranks"]) == 2

@@ -115,6 +115,11 @@ if report["horovod"]:
                       ("MXNet", "mxnet/mpi_lib")):
         if report["build"] and where:
             report["build"][name] = bool(glob.glob(os.path.join(where[0], lib + "*.so")))
+    # The patch launch/install_horovod.sh built in (its SHA-256, recorded beside Horovod).
+    try:
+        report["horovod_patch"] = open(os.path.join(where[0], ".hvdtrain-patch")).read()[:12]
+    except (IndexError, OSError):
+        report["horovod_patch"] = None
 print("__MARKER__" + json.dumps(report))
 """
 
@@ -227,6 +232,13 @@ def host_problems(report, reference=None, slots=None):
             mine, theirs = report.get(key), reference.get(key)
             if mine and theirs and mine != theirs:
                 problems.append(f"{label} {mine} (launch host: {theirs})")
+        mine, theirs = report.get("horovod_patch"), reference.get("horovod_patch")
+        if report.get("horovod") and mine != theirs:
+            # A rank whose Horovod lacks the patch sends no rendezvous token: refused.
+            problems.append(
+                f"Horovod built with patch {mine or 'none'} (launch host: {theirs or 'none'}); "
+                "build it with launch/install_horovod.sh on every host"
+            )
     tf_version, has_tf_keras = report.get("tensorflow"), bool(report.get("tf_keras"))
     keras = tf_version and keras_problem(tf_version, has_tf_keras, None, None, None)
     if keras:
