@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 
 import psutil
 import pytest
@@ -125,17 +126,30 @@ def _ranks(launcher, count):
     pytest.fail(f"the ranks of {launcher.pid} did not start")
 
 
-def _probe(address, port, launcher_pid, unpickled, token=None):
+def _probe(address, port, launcher_pid, unpickled, token=None, where=list, env=None):
     """rendezvous_probe.py: until the launcher ends, requests from outside the job; it puts
-    a value that creates the file `unpickled` if the server unpickles it."""
+    a value that creates the file `unpickled` if the server unpickles it. `where(argv)` is
+    the command that runs argv there (another host)."""
     argv = [sys.executable, worker("rendezvous_probe.py"), address, str(port),
-            str(launcher_pid), str(unpickled)]  # fmt: skip
-    return subprocess.Popen(argv + ([token] if token else []), stdout=subprocess.PIPE, text=True)
+            str(launcher_pid), str(unpickled)] + ([token] if token else [])  # fmt: skip
+    return subprocess.Popen(where(argv), env=env, stdout=subprocess.PIPE, text=True)
 
 
-def _probed(probe):
-    out, _ = probe.communicate(timeout=330)
-    return json.loads(out)
+def _refused_and_unchanged(out, probes, unpickled, metrics, reference):
+    """Once the job has ended: it succeeded, each probe was answered only with refusals
+    (at least once per kind of request), nothing it sent was unpickled, and the ranks hold
+    the weights of the reference run. Returns the job's output."""
+    code = out.rest()
+    answers = [json.loads(p.communicate(timeout=330)[0]) for p in probes]
+    text = "".join(out.lines)
+    assert code == 0, text[-6000:]
+    for a in answers:
+        assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
+    assert not unpickled.exists()  # what the probes sent was never unpickled
+    m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
+    assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
+    assert len(m["ranks"]) == 2
+    return text
 
 
 def test_a_gloo_job_refuses_probes_and_trains_to_the_same_weights(tmp_path):
@@ -169,15 +183,7 @@ def test_a_gloo_job_refuses_probes_and_trains_to_the_same_weights(tmp_path):
             socket.create_connection((other, port), timeout=5).close()
     commands = [" ".join(p.cmdline()) for p in [launcher, *launcher.children(recursive=True)]]
 
-    code = out.rest()
-    answers = [_probed(p) for p in probes]
-    assert code == 0, "".join(out.lines[-60:])
-    for a in answers:
-        assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
-    assert not unpickled.exists()  # what the probes sent was never unpickled
-    m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
-    assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
-    text = "".join(out.lines)
+    text = _refused_and_unchanged(out, probes, unpickled, metrics, reference)
     assert "refused a rendezvous request from 127.0.0.1: it lacks the job's token" in text
 
     # The token: not in the output (horovodrun --verbose prints the ranks' commands), the
@@ -254,14 +260,7 @@ def test_an_elastic_job_refuses_probes_and_its_services_refuse_unsigned_requests
     for service in services:
         assert _unsigned(service) == b""
 
-    code = out.rest()
-    answers = [_probed(p) for p in probes]
-    assert code == 0, "".join(out.lines[-60:])
-    for a in answers:
-        assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
-    assert not unpickled.exists()  # what the probes sent was never unpickled
-    m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
-    assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
+    _refused_and_unchanged(out, probes, unpickled, metrics, reference)
 
 
 @pytest.mark.slow
@@ -302,23 +301,12 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
         token = rank["HOROVOD_GLOO_RENDEZVOUS_TOKEN"]
         assert address == hosts.addresses[0]
         unpickled = tmp_path / "unpickled"
-        probe = [sys.executable, worker("rendezvous_probe.py"), address, port, str(proc.pid),
-                 str(unpickled)]  # fmt: skip
-        probes = [
-            subprocess.Popen(hosts._in(2, [*probe, token]), env=env, stdout=subprocess.PIPE),
-            subprocess.Popen(hosts._in(1, probe), env=env, stdout=subprocess.PIPE),
+        probes = [  # from the host outside the job, with the token; from the other, without
+            _probe(address, port, proc.pid, unpickled, token, partial(hosts._in, 2), env),
+            _probe(address, port, proc.pid, unpickled, None, partial(hosts._in, 1), env),
         ]
-        code = out.rest()
-        answers = [json.loads(p.communicate(timeout=330)[0]) for p in probes]
-        assert code == 0, "".join(out.lines[-60:])
-        for a in answers:
-            assert set(a["answers"]) <= REFUSED and a["answers"].get("403", 0) >= 7, a
-        assert not unpickled.exists()
-        text = "".join(out.lines)
+        text = _refused_and_unchanged(out, probes, unpickled, metrics, reference)
         assert f"from {hosts.addresses[2]}: not one of the job's hosts" in text
         assert f"from {hosts.addresses[1]}: it lacks the job's token" in text
         assert token not in text
         assert "HOROVOD_GLOO_RENDEZVOUS_TOKEN=***" in text  # the remote rank's command, shown
-        m, ref = json.loads(metrics.read_text()), json.loads(reference.read_text())
-        assert {r["weights_digest"] for r in m["ranks"]} == {ref["ranks"][0]["weights_digest"]}
-        assert len(m["ranks"]) == 2
