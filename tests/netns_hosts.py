@@ -42,7 +42,9 @@ def _sh(*argv, check=True):
 
 class NamespaceHosts:
     def __init__(self, count, workdir):
-        tag = os.getpid() % 200 + 20
+        # One subnet per test process: pytest-xdist's workers (gw0, gw1, ...) each get their own.
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+        tag = 20 + (os.getpid() % 50) * 4 + worker % 4
         self.count = count
         self.workdir = str(workdir)
         self.bridge = f"hvdtbr{tag}"
