@@ -1,8 +1,11 @@
-"""Hostile input to the launcher: -H strings, hostfiles, SLURM node lists, hvdtrain-run flags.
+"""Hostile input to the launcher: `hvdtrain-run`'s flags, -H strings, hostfiles, SLURM's
+environment and node lists, `hvdtrain-run k8s`, secrets.
 
-Properties (hypothesis): any input either parses into something sane or raises
-`HvdtrainError` with a one-line message; nothing else escapes, nothing hangs (pytest-timeout),
-nothing is written, and `--dry-run` output and error messages never hold a secret.
+Properties (hypothesis), in this process: any input either parses into something sane or
+raises `HvdtrainError` with a one-line message; nothing else escapes, nothing hangs
+(pytest-timeout), nothing is written, and `--dry-run` output and error messages never hold a
+secret. Cases, as real `hvdtrain-run` processes (`CASES`, tests/helpers/hostile.py): exit 2
+with one error line, no traceback, nothing written, within a bound.
 """
 
 import contextlib
@@ -11,6 +14,7 @@ import os
 import string
 
 import pytest
+from helpers.hostile import BOUND, RUN, check_case, fifo, folder, ids, one_line, write
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -36,10 +40,6 @@ PIECES = st.sampled_from(
      "\n", "\r\n", "\x0b", "\x85", "=", "4", "[", "]", "-", *ODD]
 )  # fmt: skip
 HOSTISH = st.one_of(st.text(), st.lists(PIECES, max_size=30).map("".join))
-
-
-def one_line(message):
-    assert len(str(message).splitlines()) <= 1, repr(message)
 
 
 def check_hosts(hosts):
@@ -279,3 +279,77 @@ def test_errors_never_print_secrets(argv):
     assert code == 2, err
     one_line(err.rstrip("\n"))
     assert "Zqsecret" not in out + err
+
+
+# -- real hvdtrain-run processes ------------------------------------------------------
+
+CASES = [
+    # -- hvdtrain-run flags
+    ("np-zero", RUN + ["-np", "0", "true"], {}, [], 2, "`-np`: received '0'", []),
+    ("np-negative", RUN + ["-np", "-1", "true"], {}, [], 2, "`-np`: received '-1'", []),
+    ("np-word", RUN + ["-np", "two", "true"], {}, [], 2, "`-np`: received 'two'", []),
+    ("np-huge", RUN + ["-np", "1" + "0" * 23, "true"], {}, [], 2, "at most 65536", []),
+    ("np-over-slots", RUN + ["-np", "3", "-H", "a:2", "true"], {}, [], 2, "at most 2", []),
+    ("slots-zero", RUN + ["-H", "a:0", "true"], {}, [], 2, "`-H`: received 'a:0'", []),
+    ("slots-huge", RUN + ["-H", "a:" + "9" * 23, "true"], {}, [], 2, "from 1 to 1024", []),
+    ("host-twice", RUN + ["-H", "a:1,a:1", "true"], {}, [], 2, "listed twice", []),
+    ("hosts-empty", RUN + ["-H", ",,", "true"], {}, [], 2, "`-H`: received ',,'", []),
+    ("backend", RUN + ["--backend", "pbs", "true"], {}, [], 2, "invalid choice: 'pbs'", []),
+    ("srun-no-slurm", RUN + ["--backend", "srun", "true"], {}, [], 2, "SLURM_JOB_ID", []),
+    ("ssh-port", RUN + ["--ssh-port", "70000", "true"], {}, [], 2, "from 1 to 65535", []),
+    ("ssh-port-0", RUN + ["--ssh-port", "0", "true"], {}, [], 2, "`--ssh-port`", []),
+    ("fusion", RUN + ["--fusion-threshold-mb", "-1", "true"], {}, [], 2, "fusion-threshold", []),
+    ("cycle-nan", RUN + ["--cycle-time-ms", "nan", "true"], {}, [], 2, "received 'nan'", []),
+    ("cycle-inf", RUN + ["--cycle-time-ms", "inf", "true"], {}, [], 2, "received 'inf'", []),
+    ("stall-0", RUN + ["--stall-check-warning-time-seconds", "0", "true"], {}, [], 2,
+     "stall-check-warning", []),
+    ("export-name", RUN + ["-x", "1BAD=2", "true"], {}, [], 2, "Invalid value for `-x`", []),
+    ("export-unset", RUN + ["-x", "NOT_SET_ANYWHERE", "true"], {}, [], 2, "a variable set", []),
+    ("nic", RUN + ["--network-interface", "eth0;rm", "true"], {}, [], 2, "interface names", []),
+    ("timeline", RUN + ["--timeline-filename", "", "true"], {}, [], 2, "timeline-filename", []),
+    ("unknown-flag", RUN + ["--bogus", "true"], {}, [], 2, "unrecognized arguments", []),
+    ("no-command", RUN, {}, [], 2, "no command to run", []),
+    ("max-np", RUN + ["--elastic", "--max-np", "70000", "true"], {}, [], 2, "`--max-np`", []),
+    ("min-np-alone", RUN + ["--min-np", "1", "true"], {}, [], 2, "needs --elastic", []),
+    ("cooldown", RUN + ["--elastic", "--blacklist-cooldown-range", "20", "10", "true"], {}, [],
+     2, "MIN <= MAX", []),
+    ("mpi-args-gloo", RUN + ["--backend", "gloo", "--mpi-args=-v", "true"], {}, [], 2,
+     "expected --backend mpi", []),
+    ("doctor-command", RUN + ["doctor", "-H", "localhost:1", "true"], {}, [], 2,
+     "doctor takes no command", []),
+    ("timeout", RUN + ["--timeout", "-5", "true"], {}, [], 2, "`--timeout`", []),
+    # -- hostfiles
+    ("hf-slots-0", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", "a slots=0\n")], 2,
+     "h:1: slots '0'", []),
+    ("hf-slots-x", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", "a:x\n")], 2,
+     "h:1: slots 'x'", []),
+    ("hf-slots-huge", RUN + ["--hostfile", "{d}/h", "true"], {},
+     [write("h", "a slots=" + "9" * 30 + "\n")], 2, "from 1 to 1024", []),
+    ("hf-twice", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", "a\nb:2\na:1\n")], 2,
+     "h:3: host 'a' is listed twice", []),
+    ("hf-junk", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", "a some junk\n")], 2,
+     "h:1: cannot read", []),
+    ("hf-empty", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", "# none\n")], 2,
+     "h: no hosts", []),
+    ("hf-missing", RUN + ["--hostfile", "{d}/none", "true"], {}, [], 2, "a readable", []),
+    ("hf-folder", RUN + ["--hostfile", "{d}/dir", "true"], {}, [folder("dir")], 2,
+     "a readable", []),
+    ("hf-binary", RUN + ["--hostfile", "{d}/h", "true"], {}, [write("h", b"\x00\xff\xfe\n")], 2,
+     "not a text file; expected a hostfile", []),
+    ("hf-fifo", RUN + ["--hostfile", "{d}/h", "true"], {}, [fifo("h")], 2, "--hostfile", []),
+    ("hf-negative-with-comment", RUN + ["--hostfile", "{d}/h", "true"], {},
+     [write("h", "a slots=-1 # ghp_" + "a" * 36 + "\n")], 2, "h:1: slots '-1'", []),
+    # -- SLURM's environment
+    ("slurm-ntasks", RUN + ["--backend", "srun", "true"],
+     {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "abc", "SLURM_JOB_NODELIST": "n1"}, [], 2,
+     "SLURM_NTASKS", []),
+    ("slurm-nodelist", RUN + ["true"],
+     {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[1-"}, [], 2,
+     "SLURM_JOB_NODELIST", []),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(BOUND * 2)
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_hostile_input(tmp_path, case):
+    check_case(tmp_path, case)

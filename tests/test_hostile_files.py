@@ -1,75 +1,48 @@
-"""Hostile input to the training side: `python -m hvdtrain.mnist` flags, MNIST files,
-checkpoint folders and manifests.
+"""Hostile files a job reads: MNIST's files (IDX, `.npz`), image folders, checkpoint folders
+and their manifests, model weights.
 
-Properties (hypothesis): any input either gives something sane or raises `HvdtrainError`
-with a one-line message; nothing else escapes, nothing hangs (pytest-timeout), nothing is
-written. Loading is safe by construction: IDX files are parsed by hand, `.npz` goes
-through `np.load(allow_pickle=False)`, checkpoints are `tf.train.Checkpoint` + a JSON
-manifest (no pickle), and hvdtrain never loads a `.keras` file (it only exports one; a
-user's `tf.keras.models.load_model` keeps Keras' safe_mode on by default).
+Properties (hypothesis), in this process: any file either gives something sane or raises
+`HvdtrainError` with a one-line message; nothing else escapes, nothing hangs
+(pytest-timeout), nothing is written. Loading is safe by construction: IDX files are parsed
+by hand, `.npz` goes through `np.load(allow_pickle=False)`, checkpoints are
+`tf.train.Checkpoint` + a JSON manifest (no pickle), and hvdtrain never loads a `.keras` file
+(it only exports one; a user's `tf.keras.models.load_model` keeps Keras' safe_mode on by
+default). Cases, as real processes (`CASES`, tests/helpers/hostile.py): exit 2 with one error
+line, no traceback, nothing written outside the folders named, within a bound.
 """
 
 import gzip
 import io
 import json
-import math
 import os
 import shutil
 
 import numpy as np
 import pytest
+from helpers.hostile import (
+    BOUND,
+    IMAGES,
+    KERAS3,
+    MNIST,
+    check_case,
+    folder,
+    ids,
+    manifest,
+    one_line,
+    write,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.mnist import parse_args
 from hvdtrain.mnist_data import load_mnist, read_idx
 
 pytestmark = pytest.mark.timeout(120)
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-ODD = ["²", "٣", "+3", " 3", "1_0", "0", "-1", "nan", "inf", "-inf", "1e400", "0x10", "\u2028"]
-
-
-def one_line(message):
-    assert len(str(message).splitlines()) <= 1, repr(message)
 
 
 def fresh(tmp_path_factory, name):
     return tmp_path_factory.mktemp(name)
-
-
-# -- python -m hvdtrain.mnist flags ----------------------------------------------------
-
-FLAGS = [
-    "--epochs", "--batch-size", "--lr", "--warmup-epochs", "--seed", "--limit-samples",
-    "--threads", "--mixed-precision", "--fp16-allreduce", "--accumulate", "--checkpoint-dir",
-    "--keep-checkpoints", "--metrics-json", "--log-dir", "--model", "--data-dir",
-]  # fmt: skip
-VALUES = ["1", "32", "0.001", "convnet", "mlp", "auto", "bfloat16", "/", "/nonexistent",
-          "99999999999999999999", "4294967296", "1e-3", *ODD]  # fmt: skip
-WORD = st.one_of(st.sampled_from(FLAGS), st.sampled_from(VALUES), st.text(max_size=10))
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(WORD, max_size=10))
-@example(["--warmup-epochs", "inf"])
-@example(["--lr", "inf"])
-@example(["--seed", "-1"])
-@example(["--seed", "4294967296"])
-@example(["--threads", "99999999999"])
-@example(["stray\nword"])
-def test_mnist_flags(argv):
-    try:
-        args = parse_args(argv)
-    except HvdtrainError as e:
-        one_line(e)
-        return
-    # What training relies on: finite numbers in range (checked here, not mid-job).
-    assert args.epochs >= 1 and args.batch_size >= 1 and args.keep_checkpoints >= 1
-    assert math.isfinite(args.lr) and args.lr > 0
-    assert math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0
-    assert 0 <= args.seed < 2**31
-    assert args.threads is None or 1 <= args.threads <= 4096
 
 
 # -- MNIST files -----------------------------------------------------------------------
@@ -334,3 +307,47 @@ def test_checkpoint_restore(saved, tmp_path_factory, fields, drop, garble):
             assert mine.restore(found).epoch == 1
     except HvdtrainError as e:
         one_line(e)
+
+
+# -- real processes --------------------------------------------------------------------
+
+IDX_IMAGES = gzip.compress(b"\x00\x00\x08\x03" + (5).to_bytes(4, "big") + b"\x00" * 8)
+
+CASES = [
+    # -- data files
+    ("data-dir-missing", MNIST + ["--data-dir", "{d}/none"], {}, [], 2, "an existing folder", []),
+    ("data-idx-truncated", MNIST + ["--data-dir", "{d}/mnist"], {},
+     [write("mnist/train-images-idx3-ubyte.gz", IDX_IMAGES)], 2, "--data-dir", []),
+    ("data-npz-garbage", MNIST + ["--data-dir", "{d}/mnist"], {},
+     [write("mnist/mnist.npz", b"PK\x03\x04 not a zip")], 2, "mnist.npz", []),
+    ("images-empty", IMAGES + ["--data-dir", "{d}/imgs"], {}, [folder("imgs")], 2,
+     "--data-dir", []),
+    # -- checkpoint manifests
+    ("manifest-format", MNIST + ["--checkpoint-dir", "{d}/ck"], {},
+     [manifest("ck/epoch-0001", format=99)], 2, "it has format 99", ["ck"]),
+    ("manifest-damaged-required", MNIST + ["--checkpoint-dir", "{d}/ck", "--require-resume"],
+     {}, [write("ck/epoch-0002/manifest.json", "{broken"), manifest("ck/epoch-0007")], 2,
+     "2 checkpoint folder(s)", ["ck"]),
+    ("ckpt-dir-is-file", MNIST + ["--checkpoint-dir", "{d}/f"], {}, [write("f", "x")], 2,
+     "`--checkpoint-dir`", []),
+    ("keras3-manifest-format", KERAS3 + ["--checkpoint-dir", "{d}/ck"], {},
+     [manifest("ck/epoch-0001", format=99)], 2, "it has format 99", ["ck"]),
+    ("keras3-manifest-damaged-required", KERAS3 + ["--checkpoint-dir", "{d}/ck",
+     "--require-resume"], {}, [write("ck/epoch-0002/manifest.json", "{broken")], 2,
+     "1 checkpoint folder(s)", ["ck"]),
+    # -- model files
+    ("weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5"], {},
+     [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"), write("w.h5", b"garbage")], 2,
+     "--weights", []),
+    ("weights-missing", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/none.h5"], {},
+     [folder("imgs/a"), folder("imgs/b")], 2, "--weights", []),
+    ("keras3-weights-garbage", IMAGES + ["--data-dir", "{d}/imgs", "--weights", "{d}/w.h5",
+     "--keras", "3"], {}, [write("imgs/a/1.png", b"x"), write("imgs/b/1.png", b"x"),
+     write("w.h5", b"garbage")], 2, "--weights", []),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(BOUND * 2)
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_hostile_input(tmp_path, case):
+    check_case(tmp_path, case)
