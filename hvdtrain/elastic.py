@@ -260,29 +260,33 @@ class _Record:
         self.state.ledger = {**self.state.ledger, **changes}
 
     def where(self):
-        steps, state = self.recipe.steps or 0, self.state
+        steps, state = self._steps(), self.state
         return {
             "epoch": int(state.epoch),
             "batch": int(state.batch),
             "step": int(state.epoch * steps + state.batch),
         }
 
+    def _steps(self):
+        plan = self.recipe.plan
+        return plan.steps if plan else 0
+
     def started(self):
-        r = self.recipe
-        self.size = r.place.size
+        r, plan = self.recipe, self.recipe.plan
+        self.size = plan.place.size
         self.commit_at = (int(self.state.epoch), int(self.state.batch))
         if self.state.ledger["began"] is None:  # the job's first start
             self._update(began=self.began, history_before=r.history_before)
         self.starts.append(
             {
-                "size": r.place.size,
-                "rank": r.place.rank,
+                "size": plan.place.size,
+                "rank": plan.place.rank,
                 **self.where(),
-                "steps_per_epoch": r.steps,
-                "global_batch": r.global_batch,
-                "warmup_steps": r.warmup_steps,
+                "steps_per_epoch": plan.steps,
+                "global_batch": plan.global_batch,
+                "warmup_steps": plan.warmup_steps,
                 "lr_scaled": r.lr_scaled(),
-                "lr_now": float(r.schedule(r.start_step)),
+                "lr_now": float(r.built.schedule(plan.start_step)),
             }
         )
 
@@ -300,14 +304,14 @@ class _Record:
         # The steps since this process's last commit, counted in this process's steps per
         # epoch (the size may change before the reset is logged).
         epoch, batch = int(self.state.epoch), int(self.state.batch)
-        steps = self.recipe.steps or 0
+        steps = self._steps()
         redone = (epoch - self.commit_at[0]) * steps + batch - self.commit_at[1]
         self.interrupt = {
             "reason": reason,
             "interrupted_at": self.where() if steps else None,
             "redone_steps": max(0, redone) if steps else 0,
         }
-        wd = getattr(self.recipe, "watchdog", None)
+        wd = self.recipe.watchdog
         if wd is not None and wd.watchdog is not None:
             wd.watchdog.stop()  # forming the ranks again may take longer than the stall time
 
@@ -403,8 +407,8 @@ def run(recipe):
     `--host-discovery-script`/`--min-np`) it is a fixed-size job that cannot recover."""
     recipe.setup()
     state = ModelState(
-        recipe.model,
-        recipe.optimizers.by_name,
+        recipe.built.model,
+        recipe.built.optimizers.by_name,
         epoch=0,
         batch=0,
         global_batch=0,
@@ -425,8 +429,8 @@ def run(recipe):
         if not state.started:
             state.started, state.resumed, state.stopped = True, recipe.resumed, recipe.stopped
         recipe.resumed = state.resumed
-        state.epoch, state.batch = divmod(step, recipe.steps)
-        state.global_batch = recipe.global_batch
+        state.epoch, state.batch = divmod(step, recipe.plan.steps)
+        state.global_batch = recipe.plan.global_batch
         record.started()
         commit = CommitStateCallback(state, recipe.cfg.commit_every, record.committed)
         # Horovod: epoch and step into the state, then checkpoint, then commit.
@@ -439,7 +443,8 @@ def run(recipe):
             commit=commit,
         )
         result, ranks = recipe.evaluate(), recipe.check()
-        mine = {"rank": hvd.rank(), "optimizer_digest": _digest(recipe.opt.variables)}
+        digest = _digest(recipe.built.optimizers.main.variables)
+        mine = {"rank": hvd.rank(), "optimizer_digest": digest}
         optimizers = hvd.allgather_object(mine, name="hvdtrain.opt") if hvd.size() > 1 else [mine]
         by_rank = {o["rank"]: o["optimizer_digest"] for o in optimizers}
         return result, [{**r, "optimizer_digest": by_rank.get(r["rank"])} for r in ranks]

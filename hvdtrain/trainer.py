@@ -35,6 +35,7 @@ check at the end; rank 0's export (`model.keras`) and metrics JSON. With `elasti
 under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 2.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -93,8 +94,7 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
         prog: the program's name in messages and the metrics JSON.
         **options: `TrainConfig` fields, over `config` (`epochs=5, checkpoint_dir="ckpt"`).
     """
-    run = Run(make_config(config, **options), build_model, data, prog, list(callbacks))
-    run.class_weight = class_weight
+    run = Run(make_config(config, **options), build_model, data, prog, callbacks, class_weight)
     if run.cfg.elastic:
         return elastic.run(run)
     try:
@@ -132,72 +132,112 @@ def resume_step(saved, steps, global_batch, accumulate=1):
     return epoch * steps + step
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `Run.setup` makes, once and before any collective: the model as it trains and
+    what the recipe put around it."""
+
+    keras: object  # the model's Keras (`hvdtrain.frontends`)
+    model: object
+    optimizers: prepare.Optimizers  # every optimizer of the model, distributed
+    policy: str | None  # the mixed-precision policy
+    steps_per_execution: int
+    manager: CheckpointManager | None  # with --checkpoint-dir
+
+    @property
+    def reported(self):
+        """The optimizer the run's figures name (a GAN's first, not Keras's unused default)."""
+        return self.optimizers.by_name[self.optimizers.reported]
+
+    @property
+    def schedule(self):
+        """Its learning rate's `WarmupSchedule`."""
+        return self.optimizers.schedules[self.optimizers.reported]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `Run.start` agrees with the ranks, at every (re)start: where this rank is, its
+    data, and the steps from where training begins."""
+
+    place: datamod.Placement
+    data: datamod.Data
+    steps: int  # per epoch: whole accumulation cycles of micro-steps
+    global_batch: int
+    warmup_steps: int
+    start_step: int  # the global step training begins at
+    test_ds: object  # this rank's share of the test set, or None
+
+
 class Run:
     """One process's run of the recipe, in the steps `hvdtrain.elastic` also drives: `setup`
-    (no collectives), `start` (data, resume, broadcast), `train`, `evaluate`, `finish`."""
+    (no collectives) makes `built`, `start` (data, resume, broadcast) makes `plan`, then
+    `train`, `evaluate`, `finish`. Everything else a run holds is set here."""
 
-    def __init__(self, cfg, build_model, data, prog=None, callbacks=()):
+    def __init__(self, cfg, build_model, data, prog=None, callbacks=(), class_weight=None):
         self.cfg, self.build_model, self.data_source = cfg, build_model, data
         self.prog = prog or os.path.basename(sys.argv[0] or "hvdtrain") or "hvdtrain"
         self.user_callbacks = list(callbacks)
-        self.history, self.resumed, self.start_step = {}, None, 0
-        self.history_before = {}  # the epochs before the resumed checkpoint
-        self.data = self.steps = None
+        self.class_weight = class_weight
+        self.built = None  # `Built`, by `setup`
+        self.plan = None  # `Plan`, by `start`
+        self.log = None  # this rank's logger (`setup` and `start` set it)
+        self.wall = time.perf_counter()
         self.guard = None  # the watchdog of the whole run (not elastic: see `setup`)
-        self.class_weight = None
-        self.user = None  # the user's callbacks, one training for all the run's fits
+        # What the run learns as it goes, kept across an elastic restart:
+        self.history = {}  # every epoch's figures, those before a resume included
+        self.history_before = {}  # the epochs before the resumed checkpoint
+        self.resumed = None  # where a checkpoint put the run: epoch, step, iterations
         self.stopped = None  # the epoch after which a callback stopped training (0-based)
         self.on_stop = None  # `(epoch) -> None`, told when the ranks agree to stop
-        self.checkpointer = None
+        # The callbacks of the current `train` (`callbacks` makes them):
+        self.user = None  # the user's callbacks, one training for all the run's fits
+        self.watchdog = self.throughput = self.steering = self.checkpointer = None
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
         cfg = self.cfg
-        self.wall = time.perf_counter()
         runtime.init(threads=cfg.threads)
-        self.place = datamod.Placement.current()
-        self.log = get_logger(self.place.rank)
+        rank = datamod.Placement.current().rank
+        self.log = get_logger(rank)
         # A rank stuck anywhere from here on (building the model, loading the data, in a
         # collective) ends the job: long phases get 10 stall times (50 min by default).
         # Elastic runs watch their training only (a reset restarts the set-up).
         timeout = runtime.stall_shutdown_seconds()
         if timeout and not cfg.elastic and self.guard is None:
-            self.guard = watchdog.Watchdog(timeout, self.place.rank)
+            self.guard = watchdog.Watchdog(timeout, rank)
             self.guard.start("set-up: building the model", timed=False)
         # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
         # The seed and the precision policy go to each Keras the script imported (the model's
         # Keras is known once it is built; one imported inside `build_model` builds it again).
-        self.policy = _policy(cfg.mixed_precision)
+        policy = _policy(cfg.mixed_precision)
         prepared = frontends.loaded()
         for frontend in prepared:
-            self._prepare(frontend)
+            self._prepare(frontend, rank, policy)
         model = self._built()
-        self.keras = k = frontends.for_model(model)
+        k = frontends.for_model(model)
         if k not in prepared:
-            self._prepare(k)
+            self._prepare(k, rank, policy)
             model = self._built()
         k.compiled(model)  # Keras 3 given Keras 2's positional metrics: one line
         xla = k.jit_compile(model)
-        if self.policy and _plain(model, k):  # outputs back to float32 for a stable loss
+        if policy and _plain(model, k):  # outputs back to float32 for a stable loss
             model = _float32_outputs(model, k)
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
-        self.spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
+        spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
         # Horovod: every optimizer the model holds averages its gradients over the ranks,
         # with the LR x ranks after a warmup (`hvdtrain.prepare`); the model's own compile
         # is not called again.
-        self.optimizers = prepare.distribute(model, k, cfg, self.place.size, self.policy)
-        k.configure(model, self.spe)
+        optimizers = prepare.distribute(model, k, cfg, datamod.Placement.current().size, policy)
+        k.configure(model, spe)
         if xla:
             self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
-        self.model, self.opt = model, self.optimizers.main
-        # The optimizer the run's figures name (a GAN's first, not Keras's unused default).
-        self.reported = self.optimizers.by_name[self.optimizers.reported]
-        self.schedule = self.optimizers.schedules[self.optimizers.reported]
-        self.manager = None
+        manager = None
         if cfg.checkpoint_dir:
-            self.manager = CheckpointManager(
-                cfg.checkpoint_dir, model, self.optimizers.by_name, keep=cfg.keep_checkpoints
+            manager = CheckpointManager(
+                cfg.checkpoint_dir, model, optimizers.by_name, keep=cfg.keep_checkpoints
             )
+        self.built = Built(k, model, optimizers, policy, spe, manager)
 
     def _built(self):
         """`build_model()`; the one-line error where one Keras refused an object of the other."""
@@ -209,12 +249,12 @@ class Run:
                 raise
             raise mixed from None
 
-    def _prepare(self, frontend):
+    def _prepare(self, frontend, rank, policy):
         """The seed and precision policy of one Keras, before the model is built."""
         cfg = self.cfg
-        frontend.set_seed(cfg.seed + self.place.rank)
-        if self.policy:
-            frontend.set_policy(self.policy)
+        frontend.set_seed(cfg.seed + rank)
+        if policy:
+            frontend.set_policy(policy)
         if cfg.deterministic:
             frontend.deterministic()
 
@@ -223,10 +263,9 @@ class Run:
         """Prepares the data for the current ranks and the position to train from: the
         newest checkpoint (first start), or `position` = (epoch, step in epoch, its global
         batch) of an elastic state. Returns the global step."""
-        cfg, p = self.cfg, datamod.Placement.current()
-        self.place = p
+        cfg, b, p = self.cfg, self.built, datamod.Placement.current()
         self.log = get_logger(p.rank)  # after an elastic reset rank 0 may be another worker
-        first = self.data is None
+        first = self.plan is None
         # A bad output path fails now, on every rank, not after the training. At every
         # start, like everything here: an elastic worker that joins must run the same
         # collectives as the others.
@@ -235,69 +274,71 @@ class Run:
         watchdog.holding("set-up: preparing the data (loading, counting, agreeing)")
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
-        self.data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
-        runtime.agree(lambda: self.data.prepare(p, cfg.seed))
+        data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
+        runtime.agree(lambda: data.prepare(p, cfg.seed))
         if first:
-            self.log.info("data: %s", self.data.describe())
-        steps = self.data.steps_per_epoch(cfg.batch_size * cfg.accumulate, p)
-        self.steps = steps = steps * cfg.accumulate  # whole accumulation cycles per epoch
-        self.global_batch = cfg.batch_size * p.size
+            self.log.info("data: %s", data.describe())
+        steps = data.steps_per_epoch(cfg.batch_size * cfg.accumulate, p)
+        steps *= cfg.accumulate  # whole accumulation cycles per epoch
+        global_batch = cfg.batch_size * p.size
         # Horovod: the LR scale and warmup follow the number of ranks.
-        self.warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
-        for schedule in self.optimizers.schedules.values():
-            rates.rescale_schedule(self.model, schedule, p.size, self.warmup_steps)
+        warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
+        for schedule in b.optimizers.schedules.values():
+            rates.rescale_schedule(b.model, schedule, p.size, warmup_steps)
         if position is None:
             watchdog.holding("set-up: resuming from the newest checkpoint")
-            self.start_step = self._resume(steps)
+            start_step = self._resume(p, steps, global_batch)
             # Horovod: start every rank from rank 0's weights and optimizer state.
-            optim.broadcast_initial_state(self.model, list(self.optimizers))
+            optim.broadcast_initial_state(b.model, list(b.optimizers))
         else:
             epoch, step, batch = position
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
-            self.start_step = resume_step(saved, steps, self.global_batch)
-        self.opt.iterations.assign(self.start_step)  # the LR schedule follows this step
-        self.test_ds = self.data.eval_dataset(cfg.eval_batch_size, p)
-        return self.start_step
+            start_step = resume_step(saved, steps, global_batch)
+        b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
+        test_ds = data.eval_dataset(cfg.eval_batch_size, p)
+        self.plan = Plan(p, data, steps, global_batch, warmup_steps, start_step, test_ds)
+        return start_step
 
     def _check_outputs(self):
-        cfg = self.cfg
-        if self.manager:
-            self.manager.check_writable()
+        cfg, manager = self.cfg, self.built.manager
+        if manager:
+            manager.check_writable()
         if cfg.metrics_json:
             files.check_writable(cfg.metrics_json, "--metrics-json")
         if cfg.log_dir:
             files.check_writable(cfg.log_dir, "--log-dir", folder=True)
 
-    def _resume(self, steps):
-        if not self.manager:
+    def _resume(self, place, steps, global_batch):
+        manager = self.built.manager
+        if not manager:
             return 0
 
         # Horovod: rank 0 reads the checkpoint; the broadcast hands it to every rank.
         import horovod.tensorflow as hvd
 
         def latest():
-            found = self.manager.latest()  # the folder was checked by `_check_outputs`
+            found = manager.latest()  # the folder was checked by `_check_outputs`
             if found is None and self.cfg.require_resume:
                 raise HvdtrainError(
-                    f"nothing to resume from in --checkpoint-dir {self.manager.directory}: "
-                    f"{self.manager.found()}; --require-resume refuses to start over. Point "
+                    f"nothing to resume from in --checkpoint-dir {manager.directory}: "
+                    f"{manager.found()}; --require-resume refuses to start over. Point "
                     "--checkpoint-dir at the run's checkpoints, or drop --require-resume to "
                     "start from scratch."
                 )
-            if found is None and self.manager.skipped:
+            if found is None and manager.skipped:
                 self.log.warning(
                     "no usable checkpoint in %s: %s; starting from scratch and leaving them as "
                     "they are (--require-resume refuses to start over)",
-                    self.manager.directory,
-                    self.manager.found(),
+                    manager.directory,
+                    manager.found(),
                 )
-            return found and self.manager.restore(found).to_dict()
+            return found and manager.restore(found).to_dict()
 
         saved = runtime.agree(latest, root_only=True)
         saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
         if not saved:
             return 0
-        step = resume_step(saved, steps, self.global_batch, self.cfg.accumulate)
+        step = resume_step(saved, steps, global_batch, self.cfg.accumulate)
         # The metrics of the epochs done before, so the metrics JSON covers the whole job.
         done = step // steps
         self.history = {
@@ -309,7 +350,7 @@ class Run:
         if extra.get("stopped") and step % steps == 0 and self.cfg.epochs <= extra["stopped"]:
             self.stopped = step // steps - 1
         for name, rate in (extra.get("single_worker_lr") or {}).items():
-            schedule = self.optimizers.schedules.get(name)
+            schedule = self.built.optimizers.schedules.get(name)
             if schedule is not None and schedule.rate is not None:
                 schedule.set_single_worker(rate)  # what a callback set before the resume
         self.resumed = {
@@ -317,14 +358,14 @@ class Run:
             "step": saved["step"],
             "optimizer_iterations": step,
         }
-        if saved.get("global_batch") not in (None, self.global_batch):
+        if saved.get("global_batch") not in (None, global_batch):
             self.log.warning(
                 "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d: "
                 "resuming at epoch %d step %d (the same samples seen; the LR schedule follows "
                 "the step). The global batch changed: the results will differ.",
                 saved.get("size"),
                 saved["global_batch"] // (saved.get("size") or 1),
-                self.place.size,
+                place.size,
                 self.cfg.batch_size,
                 step // steps + 1,
                 step % steps,
@@ -335,22 +376,23 @@ class Run:
             step % steps,
             steps,
             step,
-            self.manager.directory,
+            manager.directory,
         )
         return step
 
     # -- train -------------------------------------------------------------------------
     def callbacks(self, extra=(), state_callbacks=(), commit=None):
         """The callbacks of `fit`, in the order they must run."""
-        cfg, p, steps = self.cfg, self.place, self.steps
+        cfg, b, plan = self.cfg, self.built, self.plan
+        p, steps = plan.place, plan.steps
         # A stuck rank ends the job: no hang.
         self.watchdog = watchdog.WatchdogCallback(watchdog=self.guard)
-        self.throughput = cb.ThroughputCallback(self.global_batch, steps)
+        self.throughput = cb.ThroughputCallback(plan.global_batch, steps)
         if self.user is None:  # one for the run: an elastic restart goes on with them
             self.user = usercallbacks.UserCallbacks(self.user_callbacks, p.rank)
         self.user.for_rank(p.rank)  # after an elastic reset rank 0 may be another worker
         self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
-        rates = [s.rate for s in self.optimizers.schedules.values() if s.rate is not None]
+        rates = [s.rate for s in b.optimizers.schedules.values() if s.rate is not None]
         self.steering = usercallbacks.AgreedSteering(
             rates, self.user.stops_in_epochs, on_stop=self.on_stop
         )
@@ -360,11 +402,11 @@ class Run:
             cb.ModelStateAverageCallback(),
             # Horovod: the metrics of all ranks' batches first, so everything after sees them.
             metrics.MetricAverageCallback(
-                evaluate_fn=self.evaluate if self.data.has_test else None
+                evaluate_fn=self.evaluate if plan.data.has_test else None
             ),
             # Every rank stops together on NaN, infinite or blown-up weights or loss, before
             # any checkpoint.
-            cb.DivergenceCallback(steps, self.lr_base(), self.start_step),
+            cb.DivergenceCallback(steps, self.lr_base(), plan.start_step),
             # Every rank holds the same weights (first steps, epoch ends), or the run stops.
             agreement.WeightsAgreeCallback(),
             self.throughput,
@@ -374,47 +416,48 @@ class Run:
             *state_callbacks,
         ]
         if cfg.deterministic:
-            out.insert(0, cb.DeterministicRandomness(cfg.seed, p.rank, self.start_step))
+            out.insert(0, cb.DeterministicRandomness(cfg.seed, p.rank, plan.start_step))
         if p.rank == 0:
             out.append(
                 cb.ProgressCallback(
                     cfg.epochs,
                     steps,
-                    self.global_batch,
-                    self.start_step,
+                    plan.global_batch,
+                    plan.start_step,
                     cfg.progress,
                     cfg.progress_seconds,
                 )
             )
-        if self.manager:
+        if b.manager:
             fields = {
                 "size": p.size,
-                "global_batch": self.global_batch,
+                "global_batch": plan.global_batch,
                 "steps_per_epoch": steps,
                 "prog": self.prog,
-                "data": {"source": self.data.source, "samples": self.data.num_samples},
+                "data": {"source": plan.data.source, "samples": plan.data.num_samples},
             }
             self.checkpointer = cb.CheckpointCallback(
-                self.manager,
+                b.manager,
                 fields,
                 steps,
                 cfg.checkpoint_every,
-                self.start_step,
+                plan.start_step,
                 history=self.history,
                 extra=self._checkpoint_extra,
                 check=lambda: agreement.check_weights_agree(
-                    self.model, "before a mid-epoch checkpoint"
+                    b.model, "before a mid-epoch checkpoint"
                 ),
             )
             out.append(self.checkpointer)
         if commit is not None:
             out.append(commit)
-        return out + cb.rank0_callbacks(cfg.log_dir, self.keras.tensorboard) + list(extra)
+        return out + cb.rank0_callbacks(cfg.log_dir, b.keras.tensorboard) + list(extra)
 
     def train(self, **callback_args):
         import tensorflow as tf
 
-        cfg, steps, start = self.cfg, self.steps, self.start_step
+        cfg, b, plan = self.cfg, self.built, self.plan
+        steps, start, model = plan.steps, plan.start_step, b.model
         callbacks = self.callbacks(**callback_args)
         where = ""
         if cfg.elastic:  # where this (re)start begins
@@ -423,36 +466,36 @@ class Run:
             "%straining on %d rank(s)%s: %d steps/epoch, batch %d/rank (%d global%s), lr %s -> "
             "%s over %d steps, %d step(s) per execution%s",
             "elastic: " if cfg.elastic else "",
-            self.place.size,
+            plan.place.size,
             where,
             steps,
             cfg.batch_size,
-            self.global_batch,
+            plan.global_batch,
             f", {cfg.accumulate} accumulated" if cfg.accumulate > 1 else "",
             f"{self.lr_base():g}" if isinstance(self.lr_base(), float) else self.lr_base(),
-            f"{self.lr_scaled():g}" if self.lr_scaled() else f"x{self.place.size}",
-            self.warmup_steps,
-            min(self.spe, steps),
-            f", {self.policy}" if self.policy else "",
+            f"{self.lr_scaled():g}" if self.lr_scaled() else f"x{plan.place.size}",
+            plan.warmup_steps,
+            min(b.steps_per_execution, steps),
+            f", {b.policy}" if b.policy else "",
         )
 
         # Keras 3 runs whole executions (31 steps at 16 per execution ran 32): there, each
         # `fit` trains one epoch over a dataset of exactly its steps, which ends the last
         # execution early. Keras 2 trains every epoch in one `fit`.
-        one_epoch = self.keras.ONE_EPOCH_PER_FIT
+        one_epoch = b.keras.ONE_EPOCH_PER_FIT
 
         def fit_(first, epochs, steps_this_epoch):
             # A dataset per call: Keras starts each `fit` at the dataset's first batch.
-            train_ds = self.data.train_dataset(
-                cfg.batch_size, self.place, seed=cfg.seed, start_step=first, steps=steps,
+            train_ds = plan.data.train_dataset(
+                cfg.batch_size, plan.place, seed=cfg.seed, start_step=first, steps=steps,
                 epochs=epochs,
             )  # fmt: skip
             if one_epoch:
                 train_ds = train_ds.take(steps_this_epoch)
                 train_ds = train_ds.apply(tf.data.experimental.assert_cardinality(steps_this_epoch))
-            self.model.history = None  # Keras sets it at the first epoch's end
+            model.history = None  # Keras sets it at the first epoch's end
             try:
-                self.model.fit(
+                model.fit(
                     train_ds,
                     epochs=epochs,
                     initial_epoch=first // steps,
@@ -463,7 +506,7 @@ class Run:
                     verbose=0,
                 )
             finally:  # the epochs done, also when training stopped (diverged)
-                done = getattr(self.model, "history", None)
+                done = getattr(model, "history", None)
                 for k, vs in (done.history if done else {}).items():
                     self.history.setdefault(k, []).extend(float(v) for v in vs)
 
@@ -496,17 +539,17 @@ class Run:
                 )
             self._end_user_callbacks()
         except Exception as e:
-            raise _explained(e, self.place.rank, self.data) from None
+            raise _explained(e, plan.place.rank, plan.data) from None
 
     def _end_user_callbacks(self):
         """The user's callbacks' `on_train_end`; when a callback stopped training and then
         changed the weights (EarlyStopping's `restore_best_weights`), the last checkpoint is
         written again with them: a rerun of the stopped run evaluates and exports them."""
-        before = None
-        if self.stopped is not None and self.manager and self.place.rank == 0:
-            before = runtime.weights_digest(self.model)
+        model, before = self.built.model, None
+        if self.stopped is not None and self.built.manager and self.plan.place.rank == 0:
+            before = runtime.weights_digest(model)
         self.user.end()
-        if before is not None and runtime.weights_digest(self.model) != before:
+        if before is not None and runtime.weights_digest(model) != before:
             self.checkpointer.rewrite_last()
 
     def _checkpoint_extra(self):
@@ -514,37 +557,38 @@ class Run:
         end), and the single-worker rates they set."""
         changed = {
             name: float(s.rate.numpy())
-            for name, s in self.optimizers.schedules.items()
+            for name, s in self.built.optimizers.schedules.items()
             if s.rate is not None and s.rate.numpy() != np.float32(s.base_lr)
         }
         out = {"single_worker_lr": changed} if changed else {}
-        if getattr(self.model, "stop_training", False):
+        if getattr(self.built.model, "stop_training", False):
             out["stopped"] = self.cfg.epochs  # of a run that asked for this many
         return out
 
     def lr_base(self):
         """The single-worker learning rate (a number), or its schedule's name."""
-        base = self.schedule.base_lr
+        base = self.built.schedule.base_lr
         return base if isinstance(base, float) else type(base).__name__
 
     def lr_scaled(self):
         """The learning rate x ranks after the warmup (a number; None for a schedule)."""
-        base = self.schedule.base_lr
-        return rates.scaled_lr(base, self.schedule.size) if isinstance(base, float) else None
+        schedule = self.built.schedule
+        base = schedule.base_lr
+        return rates.scaled_lr(base, schedule.size) if isinstance(base, float) else None
 
     # -- evaluate and finish -------------------------------------------------------------
     def evaluate(self):
         """The test metrics over all ranks ({} without test data)."""
-        if not self.data.has_test:
+        if not self.plan.data.has_test:
             return {}
-        callbacks = [self.watchdog] if getattr(self, "watchdog", None) else None
-        return metrics.evaluate(self.model, self.test_ds, callbacks=callbacks)
+        callbacks = [self.watchdog] if self.watchdog else None
+        return metrics.evaluate(self.built.model, self.plan.test_ds, callbacks=callbacks)
 
     def check(self):
         """Every rank's host, pid and weights digest; identical weights or an error."""
         watchdog.holding("comparing the weights of every rank", waiting=True)
-        agreement.check_weights_agree(self.model, "at the end of training")
-        ranks = runtime.rank_report(self.model)
+        agreement.check_weights_agree(self.built.model, "at the end of training")
+        ranks = runtime.rank_report(self.built.model)
         if len({r["weights_digest"] for r in ranks}) != 1:
             raise HvdtrainError(
                 "ranks ended with different weights; this is a bug, please report it"
@@ -553,45 +597,46 @@ class Run:
 
     def summary(self):
         """The run's figures so far (what the metrics JSON holds before the test results)."""
-        cfg, p = self.cfg, self.place
-        rates = getattr(self, "throughput", None)
-        steps = self.steps or 1
+        cfg, b, plan = self.cfg, self.built, self.plan
+        rates = self.throughput
+        steps = plan.steps or 1
+        reported = b.reported
         return {
             "prog": self.prog,
             "status": "running",
-            "size": p.size,
-            "keras": self.keras.NAME,
+            "size": plan.place.size,
+            "keras": b.keras.NAME,
             "epochs": cfg.epochs,
             "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // steps,
             "resumed_from": self.resumed,
-            "steps_per_epoch": self.steps,
-            "steps_per_execution": min(self.spe, steps),
+            "steps_per_epoch": plan.steps,
+            "steps_per_execution": min(b.steps_per_execution, steps),
             "batch_size": cfg.batch_size,
-            "global_batch_size": self.global_batch,
+            "global_batch_size": plan.global_batch,
             "deterministic": cfg.deterministic,
             "accumulate": cfg.accumulate,
-            "mixed_precision": self.policy,
+            "mixed_precision": b.policy,
             "fp16_allreduce": cfg.fp16_allreduce,
             "lr_base": self.lr_base(),
             "lr_scaled": self.lr_scaled(),
-            "lr_final": float(self.schedule(self.reported.iterations)),
-            "warmup_steps": self.warmup_steps,
-            "optimizer_iterations": int(self.reported.iterations),
+            "lr_final": float(b.schedule(reported.iterations)),
+            "warmup_steps": plan.warmup_steps,
+            "optimizer_iterations": int(reported.iterations),
             "optimizers": {
                 name: {
-                    "class": self.optimizers.classes[name],
+                    "class": b.optimizers.classes[name],
                     "iterations": int(opt.iterations),
                     "lr_single_worker": float(
-                        self.optimizers.schedules[name].single_worker(opt.iterations)
+                        b.optimizers.schedules[name].single_worker(opt.iterations)
                     ),
-                    "lr_final": float(self.optimizers.schedules[name](opt.iterations)),
-                    "loss_scale": self.keras.current_loss_scale(opt),
+                    "lr_final": float(b.optimizers.schedules[name](opt.iterations)),
+                    "loss_scale": b.keras.current_loss_scale(opt),
                 }
-                for name, opt in self.optimizers.by_name.items()
+                for name, opt in b.optimizers.by_name.items()
             },
             "stopped_early": None if self.stopped is None else self.stopped + 1,
-            "data_source": self.data.source,
-            "train_samples": self.data.num_samples,
+            "data_source": plan.data.source,
+            "train_samples": plan.data.num_samples,
             "train_samples_per_sec": rates.samples_per_sec if rates else None,
             "epoch_samples_per_sec": rates.epoch_samples_per_sec if rates else [],
             "wall_seconds": time.perf_counter() - self.wall,
@@ -600,7 +645,7 @@ class Run:
 
     def write_metrics(self, out):
         """Rank 0 writes `out` to --metrics-json (if given); returns the path or None."""
-        if self.place.rank == 0 and self.cfg.metrics_json:
+        if self.plan.place.rank == 0 and self.cfg.metrics_json:
             return files.write_json(self.cfg.metrics_json, out)
         return None
 
@@ -609,7 +654,7 @@ class Run:
 
         A write that fails here loses nothing already written: the export and the JSON are
         tried both, and `OutputsNotWritten` (exit status 4) says which were written."""
-        p = self.place
+        p, b = self.plan.place, self.built
         out = {
             **self.summary(),
             "status": "finished",
@@ -624,12 +669,11 @@ class Run:
             return out
         watchdog.holding("writing the exported model and the metrics JSON")
         written, failed = [], []
-        if self.manager:
-            path = os.path.join(self.manager.directory, "model.keras")
+        if b.manager:
+            path = os.path.join(b.manager.directory, "model.keras")
             try:
-                out["exported_model"] = files.export_model(
-                    self.model, self.build_model, path, self.policy
-                )
+                exported = files.export_model(b.model, self.build_model, path, b.policy)
+                out["exported_model"] = exported
                 written.append(f"the model {out['exported_model']}")
             except (OSError, ValueError, RuntimeError) as e:
                 failed.append(f"the model {path} ({_reason(e)})")
@@ -639,7 +683,7 @@ class Run:
         except (OSError, ValueError, TypeError) as e:
             failed.append(f"the metrics {self.cfg.metrics_json} ({_reason(e)})")
         if failed:
-            kept = f"; the trained weights are in {self.manager.directory}" if self.manager else ""
+            kept = f"; the trained weights are in {b.manager.directory}" if b.manager else ""
             raise OutputsNotWritten(
                 f"training finished, but could not write {' and '.join(failed)}; written: "
                 f"{', '.join(written) or 'nothing'}{kept}. Free space or fix the path, then "
