@@ -42,8 +42,12 @@ TEST_WORKERS ?= 2
 test: setup-test lint
 	python -m pytest -m "not slow and not gpu_image" -n $(TEST_WORKERS) --dist loadfile
 
+# The slow scenarios run test by test in TEST_WORKERS processes (a module's image, hosts or
+# cluster kept in one: `xdist_group`), then the benchmark's quick runs (marker `alone`), which
+# measure the machine, with nothing beside them. Both parts run; either failing fails.
 test-slow: setup-test
-	python -m pytest -m slow
+	python -m pytest -m "slow and not alone" -n $(TEST_WORKERS) --dist loadgroup; a=$$?; \
+	python -m pytest -m "slow and alone"; b=$$?; [ $$a -eq 0 ] && [ $$b -eq 0 ]
 
 # The tests that start no process (marker `processes`, set by tests/conftest.py from what each
 # test calls): the inner loop while changing code; `make test` before a commit.

@@ -95,7 +95,7 @@ _LEFT_OUT = {}  # marker -> how many tests with it this run deselected
 
 
 def pytest_deselected(items):
-    for marker in ("slow", "gpu_image"):
+    for marker in ("slow", "gpu_image", "alone"):
         found = sum(1 for i in items if i.get_closest_marker(marker))
         _LEFT_OUT[marker] = _LEFT_OUT.get(marker, 0) + found
 
@@ -114,14 +114,14 @@ def pytest_testnodedown(node, error):
 
 @pytest.hookimpl(trylast=True)  # after the durations: the run's last words
 def pytest_terminal_summary(terminalreporter, config):
-    """`make test` leaves the slow scenarios and the GPU image out: say so, and how to run them."""
-    if "not slow" not in config.option.markexpr:
-        return
+    """`make test` leaves the slow scenarios and the GPU image out, `make test-slow` the
+    machine's measurements for later: say so, and how to run them."""
     for marker, how in (
         ("slow", "`make test-slow` runs them, and CI runs both (.ci/run)"),
         ("gpu_image", "`make test-gpu-image` runs them (a cold build: about 21 min; not in CI)"),
+        ("alone", "`make test-slow` runs them next, with nothing beside them"),
     ):
-        if _LEFT_OUT.get(marker):
+        if f"not {marker}" in config.option.markexpr and _LEFT_OUT.get(marker):
             terminalreporter.write_line(
                 f"left out: {_LEFT_OUT[marker]} {marker} test(s); {how}", yellow=True, bold=True
             )

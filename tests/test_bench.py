@@ -36,6 +36,7 @@ def quick(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its ceiling is n one-core runs side by side: another test beside it skews it
 def test_quick_run_writes_json_markdown_and_png(quick):
     out, proc = quick
     assert "[1/" in proc.stderr and "samples/s" in proc.stderr  # progress while it runs
@@ -489,6 +490,7 @@ def test_floor_bounds_the_step_by_the_wait_and_the_transfer():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_floor_quick_run_times_every_job(tmp_path):
     proc = _run_quick("hvdtrain.bench.floor", tmp_path)
     data = json.loads((tmp_path / "floor.json").read_text())

@@ -24,7 +24,8 @@ from conftest import LEGACY_KERAS, ROOT, job_env, tf_version
 from helpers.docker_daemon import RUN_TIMEOUT, check_no_secret_and_uid_1000, docker, sh  # noqa: F401
 
 # a cold build (Horovod from source) is part of the first test
-pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]
+# The image and its daemon are the module's: its tests stay in one pytest-xdist worker.
+pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow, pytest.mark.xdist_group("docker")]
 
 IMAGE = "hvdtrain:cpu"
 NETWORK, SUBNET = "hvdtrain-test", "10.232.7.0/24"

@@ -7,7 +7,11 @@ import pytest
 from netns_hosts import NamespaceHosts, cannot_make_namespaces
 
 why_not = cannot_make_namespaces()
-pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(why_not is not None, reason=why_not or ""),
+    pytest.mark.slow,
+    pytest.mark.xdist_group("multihost"),  # the module's hosts: its tests in one worker
+]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,11 @@ from conftest import ROOT, job_env
 from slurm_cluster import SlurmCluster, cannot_run_slurm
 
 why_not = cannot_run_slurm()
-pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(why_not is not None, reason=why_not or ""),
+    pytest.mark.slow,
+    pytest.mark.xdist_group("slurm"),  # the module's cluster: its tests in one worker
+]
 
 
 @pytest.fixture(scope="module")
