@@ -1,6 +1,11 @@
 """The shared job (tests/helpers/shared.py) reports each scenario as its own: what every rank
 returned and printed, a failure with its rank's traceback, a hang as a failure on its timeout
-with the next scenario run in a new job."""
+with the next scenario run in a new job. And what `make test-slow` relies on to keep a module's
+Docker daemon, namespace hosts or SLURM cluster in one pytest process: pytest-xdist's groups."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 from helpers.shared import SharedJob
@@ -43,3 +48,35 @@ def test_a_hanging_scenario_fails_on_its_timeout_and_the_next_runs_in_a_new_job(
     assert "rank 1 hangs on purpose" in str(failed.value)
     assert job.run("shared_checks:echo", ["d"])[1]["result"][:2] == ["d", 1]
     assert job.starts == starts + 1
+
+
+GROUPED = """import os, pytest
+pytestmark = pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    print("@@worker", os.environ["PYTEST_XDIST_WORKER"])
+@pytest.mark.parametrize("i", range(4))
+@pytest.mark.xdist_group("two")
+def test_other(i):
+    print("@@worker", os.environ["PYTEST_XDIST_WORKER"])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_xdist_groups_keep_their_tests_in_one_worker(tmp_path):
+    """Under pytest 9.2 `--dist loadgroup` spread a group's tests over the workers, silently
+    (pytest-dev/pytest-xdist#1386): two daemons then shared one Docker data root."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-s",
+         "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    workers = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("[gw") and "PASSED" in line:
+            test = line.split("PASSED ", 1)[1].split("[")[0].rsplit("::", 1)[1]
+            workers.setdefault(test, set()).add(line.split("]", 1)[0][1:])
+    assert set(workers) == {"test_grouped", "test_other"}, proc.stdout[-3000:]
+    assert all(len(w) == 1 for w in workers.values()), workers
