@@ -43,8 +43,9 @@ test: setup-test lint
 	python -m pytest -m "not slow and not gpu_image" -n $(TEST_WORKERS) --dist loadfile
 
 # The slow scenarios run test by test in TEST_WORKERS processes (a module's image, hosts or
-# cluster kept in one: `xdist_group`), then the benchmark's quick runs (marker `alone`), which
-# measure the machine, with nothing beside them. Both parts run; either failing fails.
+# cluster kept in one: `xdist_group`; the longest first: tests/conftest.py), then the
+# benchmark's quick runs (marker `alone`), which measure the machine, with nothing beside them.
+# Both parts run; either failing fails.
 test-slow: setup-test
 	python -m pytest -m "slow and not alone" -n $(TEST_WORKERS) --dist loadgroup; a=$$?; \
 	python -m pytest -m "slow and alone"; b=$$?; [ $$a -eq 0 ] && [ $$b -eq 0 ]

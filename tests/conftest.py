@@ -78,7 +78,14 @@ def _starts_processes(thing, seen):
     return any(_starts_processes(scope.get(n), seen) for n in names)
 
 
+# The files of the longest scenarios (the 26 kills, the Docker image), collected first: the
+# workers of `make test-slow` (`--dist loadgroup`) take tests in this order, and end together
+# when the longest start first.
+_FIRST = ("test_resume.py", "test_docker_image.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in _FIRST)  # stable: the rest as collected
     verdicts = {}  # each function read once, not once per parametrized test
     for item in items:
         functions = [getattr(item, "function", None)] + [
