@@ -11,7 +11,7 @@ import json
 import os
 
 from hvdtrain.bench import project as project_mod
-from hvdtrain.bench.summary import CEILING_NEEDED, TARGET_BATCH, _get, projection, summarize
+from hvdtrain.bench.summary import CEILING_NEEDED, TARGET_BATCH, figure, projection, summarize
 
 __all__ = ["write", "summarize", "markdown", "plot"]
 
@@ -262,13 +262,13 @@ def plot(data, path):
     for c, model in enumerate(models):
         ax, batch = axes[0][c], TARGET_BATCH
         for variant, backend, color, style in series:
-            one = _get(figures, variant, 1, model, batch)
-            many = _get(figures, variant, n, model, batch, backend)
+            one = figure(figures, variant, 1, model, batch)
+            many = figure(figures, variant, n, model, batch, backend)
             if one and many:
                 label = variant + (f" ({backend})" if backend else "")
                 ax.plot([1, n], [one["samples_per_sec"], many["samples_per_sec"]], style,
                         color=color, marker="o", label=label)  # fmt: skip
-        if one := _get(figures, "hvdtrain", 1, model, batch):
+        if one := figure(figures, "hvdtrain", 1, model, batch):
             ax.plot([1, n], [one["samples_per_sec"], n * one["samples_per_sec"]], color="gray",
                     linewidth=0.8, label="linear (hvdtrain)")  # fmt: skip
         ax.set_xticks([1, n])

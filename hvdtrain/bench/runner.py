@@ -205,7 +205,7 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     walls = result.get("window_seconds") or []
     busy = result.get("machine_busy_seconds") or []
     result["rank_cpu_seconds"] = {str(r): v for r, v in sorted(ranks.items())}
-    result["rank_thread_seconds"] = {  # per window, by thread group (workers.thread_groups)
+    result["rank_thread_seconds"] = {  # per window, by thread group (timing.thread_groups)
         str(c["rank"]): c["threads"] for c in cpu_lines if c.get("key") == key and "threads" in c
     }
     external = []

@@ -16,7 +16,7 @@ import statistics
 from hvdtrain.bench import project as project_mod
 from hvdtrain.bench.timeline import summarize_timeline
 
-__all__ = ["summarize", "projection", "TARGETS", "CEILING_NEEDED"]
+__all__ = ["summarize", "projection", "figure", "TARGETS", "CEILING_NEEDED"]
 
 # (name, model, what, threshold, per-rank batch): checked at -np N. The efficiencies hold
 # against a machine whose ceiling (N unconnected one-core runs side by side) is at least
@@ -73,7 +73,8 @@ def _figures(records):
     ]  # fmt: skip
 
 
-def _get(figures, variant, np, model, batch, backend=None, label=None):
+def figure(figures, variant, np, model, batch, backend=None, label=None):
+    """The first of `figures` that matches (`backend` and `label` None: any), or None."""
     want = {"variant": variant, "np": np, "model": model, "batch_size": batch,
             "backend": backend, "label": label}  # fmt: skip
     return next((f for f in figures
@@ -87,10 +88,10 @@ def _comparison(figures, n):
     backends = sorted({f["backend"] for f in figures if f["variant"] == "hvdtrain" and f["np"] > 1})
     rows = []
     for (model, batch), backend in itertools.product(keys, backends or [None]):
-        at = {p: (_get(figures, v, 1, model, batch),
-                  _get(figures, v, n, model, batch, None if v == "mwms" else backend))
+        at = {p: (figure(figures, v, 1, model, batch),
+                  figure(figures, v, n, model, batch, None if v == "mwms" else backend))
               for p, v in SCALED.items()}  # fmt: skip
-        keras = {lab: _get(figures, "keras", 1, model, batch, label=lab)
+        keras = {lab: figure(figures, "keras", 1, model, batch, label=lab)
                  for lab in (KERAS_PLAIN, KERAS_SAME)}  # fmt: skip
         row = {"model": model, "batch_size": batch, "backend": backend, "np": n,
                "keras_plain": _sps(keras[KERAS_PLAIN]),
@@ -157,7 +158,7 @@ def _ceiling(records, figures, n):
                 groups.setdefault(key, []).append(sum(values) / len(values))
     rows = []
     for (model, batch), per_round in sorted(groups.items()):
-        alone, side = _get(figures, "hvdtrain", 1, model, batch), _median(per_round)
+        alone, side = figure(figures, "hvdtrain", 1, model, batch), _median(per_round)
         rows.append({"model": model, "batch_size": batch, "np": n, "alone": _sps(alone),
                      "side_by_side": side, "rounds": per_round,
                      "ceiling": side / alone["samples_per_sec"] if alone else None})  # fmt: skip
@@ -201,7 +202,7 @@ def _profiles(records, figures, sweep, gradient_bytes):
         if rec["group"] != "profile" or not rec["results"]:
             continue
         r = rec["results"][0]
-        one = _get(figures, "hvdtrain", 1, r["model"], r["batch_size"])
+        one = figure(figures, "hvdtrain", 1, r["model"], r["batch_size"])
         path = rec["env"].get("HOROVOD_TIMELINE")
         summary = None
         if path and os.path.isfile(path):
@@ -337,7 +338,7 @@ def summarize(records, n, default_backend="mpi", tuning_defaults=None, gradient_
 def projection(data):
     """The GPU-cluster projection, fed with the convnet's measured compute time (hvdtrain at
     -np 1, batch 64) when the run has it."""
-    conv = _get(data.get("figures", []), "hvdtrain", 1, "convnet", TARGET_BATCH)
+    conv = figure(data.get("figures", []), "hvdtrain", 1, "convnet", TARGET_BATCH)
     params = conv["params"] if conv else 1_199_882
     compute = conv["step_ms"] / 1000 if conv else None
     return {
