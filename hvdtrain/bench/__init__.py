@@ -21,10 +21,10 @@ starts (one core per rank: `HVDBENCH_CORES_PER_RANK`, default 1).
 Each figure is the median of 5 timed windows (3 with `--quick`) of a fixed number of steps
 after a warm-up window (tracing, buffers), all timed one way (`hvdtrain.bench.timing`).
 Scaling efficiency = samples/s at N / (N x samples/s of the same variant at -np 1). It also
-runs: the tuning experiments behind hvdtrain's defaults (each
-default against the alternatives, same workload), an allreduce sweep (4 KB to 64 MB, Gloo and
-MPI: time, algbw, busbw = algbw x 2(n-1)/n, next to the memory-copy bandwidth), and the
-projection to GPU clusters (`hvdtrain.bench.project`).
+runs: the tuning experiments behind hvdtrain's defaults (each default against the
+alternatives, same workload), an allreduce sweep (4 KB to 64 MB, Gloo and MPI: time, algbw,
+busbw = algbw x 2(n-1)/n, next to the memory-copy bandwidth), and the projection to GPU
+clusters (`hvdtrain.bench.project`).
 
 Written to `--out DIR`: `bench.json` (everything, with the load average seen before each
 job), `bench.md` (the tables), `bench.png` (throughput and efficiency against -np and batch

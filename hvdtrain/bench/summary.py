@@ -81,6 +81,13 @@ def figure(figures, variant, np, model, batch, backend=None, label=None):
                  if all(v is None or f[k] == v for k, v in want.items())), None)  # fmt: skip
 
 
+def _scaled(prefix, one, many, n):
+    """`prefix`'s samples/s at -np 1 and -np n and its scaling efficiency."""
+    ratio = _ratio(many, one)
+    return {f"{prefix}_1": _sps(one), f"{prefix}_n": _sps(many),
+            f"{prefix}_efficiency": ratio / n if ratio else None}  # fmt: skip
+
+
 def _comparison(figures, n):
     """One row per (model, batch, backend) at -np n: throughput, efficiency and ratios."""
     keys = {(f["model"], f["batch_size"]) for f in figures}
@@ -91,29 +98,20 @@ def _comparison(figures, n):
         at = {p: (figure(figures, v, 1, model, batch),
                   figure(figures, v, n, model, batch, None if v == "mwms" else backend))
               for p, v in SCALED.items()}  # fmt: skip
-        keras = {lab: figure(figures, "keras", 1, model, batch, label=lab)
-                 for lab in (KERAS_PLAIN, KERAS_SAME)}  # fmt: skip
-        row = {"model": model, "batch_size": batch, "backend": backend, "np": n,
-               "keras_plain": _sps(keras[KERAS_PLAIN]),
-               "keras_same": _sps(keras[KERAS_SAME])}  # fmt: skip
-
-        def scaled(prefix, row=row, at=at):
-            one, many = at[prefix]
-            ratio = _ratio(many, one)
-            row.update({f"{prefix}_1": _sps(one), f"{prefix}_n": _sps(many),
-                        f"{prefix}_efficiency": ratio / n if ratio else None})  # fmt: skip
-
-        for prefix in ("hvdtrain", "baseline", "mwms"):
-            scaled(prefix)
-        (one, hvt), base = at["hvdtrain"], at["baseline"][1]
-        row.update(vs_baseline=_ratio(hvt, base), vs_mwms=_ratio(hvt, at["mwms"][1]),
-                   vs_keras=_ratio(one, keras[KERAS_SAME]),
-                   vs_keras_plain=_ratio(one, keras[KERAS_PLAIN]))  # fmt: skip
-        scaled("keras3")
-        k3_one, k3 = at["keras3"]
-        row.update(keras3_vs_keras2_1=_ratio(k3_one, one), keras3_vs_keras2_n=_ratio(k3, hvt),
-                   keras3_vs_baseline=_ratio(k3, base))  # fmt: skip
-        rows.append(row)
+        plain, same = (figure(figures, "keras", 1, model, batch, label=label)
+                       for label in (KERAS_PLAIN, KERAS_SAME))  # fmt: skip
+        (one, hvt), base, (k3_one, k3) = at["hvdtrain"], at["baseline"][1], at["keras3"]
+        rows.append({
+            "model": model, "batch_size": batch, "backend": backend, "np": n,
+            "keras_plain": _sps(plain), "keras_same": _sps(same),
+            **_scaled("hvdtrain", *at["hvdtrain"], n), **_scaled("baseline", *at["baseline"], n),
+            **_scaled("mwms", *at["mwms"], n),
+            "vs_baseline": _ratio(hvt, base), "vs_mwms": _ratio(hvt, at["mwms"][1]),
+            "vs_keras": _ratio(one, same), "vs_keras_plain": _ratio(one, plain),
+            **_scaled("keras3", k3_one, k3, n),
+            "keras3_vs_keras2_1": _ratio(k3_one, one), "keras3_vs_keras2_n": _ratio(k3, hvt),
+            "keras3_vs_baseline": _ratio(k3, base),
+        })  # fmt: skip
     return rows
 
 
