@@ -333,7 +333,7 @@ def test_summary_efficiency_ratios_and_targets():
         if t["target"] == "MLP scaling efficiency"
     ]
     assert mlp["of_ceiling"] is None and not mlp["ceiling_too_low"]
-    from hvdtrain.bench.summary import _targets
+    from hvdtrain.bench.report import _targets
 
     [mlp] = [
         t

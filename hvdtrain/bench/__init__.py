@@ -18,13 +18,12 @@ on the MNIST MLP (784-256-256-10, communication-bound) and convnet (compute-boun
 per-rank batches 32, 64 and 128. Every process is bound to its own core before TensorFlow
 starts (one core per rank: `HVDBENCH_CORES_PER_RANK`, default 1).
 
-Each figure is the median of 5 timed windows (3 with `--quick`) of a fixed number of steps
-after a warm-up window (tracing, buffers), all timed one way (`hvdtrain.bench.timing`).
-Scaling efficiency = samples/s at N / (N x samples/s of the same variant at -np 1). It also
-runs: the tuning experiments behind hvdtrain's defaults (each default against the
-alternatives, same workload), an allreduce sweep (4 KB to 64 MB, Gloo and MPI: time, algbw,
-busbw = algbw x 2(n-1)/n, next to the memory-copy bandwidth), and the projection to GPU
-clusters (`hvdtrain.bench.project`).
+Each figure is the median of `--repeats` timed windows of a fixed number of steps after a
+warm-up window (tracing, buffers). Scaling efficiency = samples/s at N / (N x samples/s of the
+same variant at -np 1). It also runs: the tuning experiments behind hvdtrain's defaults (each
+default against the alternatives, same workload), an allreduce sweep (4 KB to 64 MB, Gloo and
+MPI: time, algbw, busbw = algbw x 2(n-1)/n, next to the memory-copy bandwidth), and the
+projection to GPU clusters (`hvdtrain.bench.project`).
 
 Written to `--out DIR`: `bench.json` (everything, with the load average seen before each
 job), `bench.md` (the tables), `bench.png` (throughput and efficiency against -np and batch
@@ -35,8 +34,6 @@ other processes leave the cores idle, and records what it saw.
 `python -m hvdtrain.bench.floor` is the benchmark's companion: a lower bound on what lock
 step costs on this machine, whatever software exchanges the gradient (`hvdtrain.bench.floor`).
 
-The launcher side (`cli`: the options and jobs; `runner`: running them; `summary`: the
-figures; `report`: bench.json, bench.md, bench.png) never imports TensorFlow; the workers
-(`hvdtrain.bench.workers`, `hvdtrain.bench.allreduce`, `hvdtrain.bench.floor --exchange`) run
-in the launched processes.
+The launcher side never imports TensorFlow; the workers (`hvdtrain.bench.workers`,
+`hvdtrain.bench.allreduce`, `hvdtrain.bench.floor --exchange`) run in the launched processes.
 """

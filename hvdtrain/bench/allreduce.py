@@ -17,13 +17,12 @@ second by one core, `numpy.copyto` of 64 MiB), the yardstick for a shared-memory
 import argparse
 import json
 import os
-import statistics
 import sys
+import time
 
-from hvdtrain.bench.timing import Windows
-from hvdtrain.bench.workers import MARKER, bind
+from hvdtrain.bench.workers import MARKER, _bind, _median
 
-__all__ = ["main", "bus_bandwidth", "memcpy_bandwidth", "raw_mpi"]
+__all__ = ["main", "bus_bandwidth", "memcpy_bandwidth"]
 
 
 def bus_bandwidth(nbytes, seconds, n):
@@ -32,24 +31,26 @@ def bus_bandwidth(nbytes, seconds, n):
     return algbw, algbw * (2 * (n - 1) / n if n > 1 else 1.0)
 
 
-def _median_call(fn, nbytes, warmup=3):
-    """The median seconds of one call of `fn`, over as many calls as `nbytes` warrants
-    (10 to 200), after `warmup` untimed ones: (seconds, calls timed)."""
-    calls = max(10, min(200, int(64 * (1 << 20) / max(nbytes, 1)) // 4))
-    return statistics.median(Windows(usage=False).run(fn, warmup + calls).walls()[warmup:]), calls
-
-
 def memcpy_bandwidth(nbytes=64 << 20, repeats=7):
     """Bytes per second that `numpy.copyto` moves from one buffer to another (median)."""
     import numpy as np
 
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    walls = Windows(usage=False).run(lambda: np.copyto(dst, src), 1 + repeats).walls()
-    return nbytes / statistics.median(walls[1:])
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / _median(times)
 
 
-def raw_mpi(comm, sizes):
+def _iterations(nbytes):
+    return max(10, min(200, int(64 * (1 << 20) / max(nbytes, 1)) // 4))
+
+
+def _raw_mpi(comm, sizes):
     """{bytes: median seconds} of MPI_Allreduce (sum) of float32 buffers, through mpi4py."""
     import numpy as np
 
@@ -57,23 +58,31 @@ def raw_mpi(comm, sizes):
     for nbytes in sizes:
         buf = np.ones(max(1, nbytes // 4), np.float32)
         res = np.empty_like(buf)
-        out[nbytes] = _median_call(lambda buf=buf, res=res: comm.Allreduce(buf, res), nbytes)[0]
+        for _ in range(3):
+            comm.Allreduce(buf, res)
+        times = []
+        for _ in range(_iterations(nbytes)):
+            start = time.perf_counter()
+            comm.Allreduce(buf, res)
+            times.append(time.perf_counter() - start)
+        out[nbytes] = _median(times)
     return out
 
 
 def main(argv=None):
-    cores = bind()
+    cores = _bind()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.allreduce")
     p.add_argument("--sizes", required=True, help="comma-separated message sizes in bytes")
     p.add_argument("--raw-mpi", action="store_true", help="also time MPI_Allreduce (mpi4py)")
+    p.add_argument("--label", default="")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     raw = {}
     if args.raw_mpi:  # first, alone: Horovod's background thread would share the MPI library
         from mpi4py import MPI  # before Horovod, so mpi4py owns MPI_Init/Finalize
 
-        raw = raw_mpi(MPI.COMM_WORLD, sizes)
+        raw = _raw_mpi(MPI.COMM_WORLD, sizes)
     import tensorflow as tf
 
     import hvdtrain
@@ -87,17 +96,36 @@ def main(argv=None):
     hvd.allreduce(tf.constant(0.0), name="sweep.barrier")
     for nbytes in sizes:
         tensor = tf.ones([max(1, nbytes // 4)], tf.float32)
+        name = f"sweep.{nbytes}"
 
         @tf.function
-        def reduce(t, name=f"sweep.{nbytes}"):  # one element back: on a GPU, no copy of it all
+        def reduce(t, name=name):  # one element back: on a GPU, no copy of the whole result
             return hvd.allreduce(t, op=hvd.Sum, name=name)[0]
 
-        seconds, iters = _median_call(lambda t=tensor, f=reduce: f(t).numpy(), nbytes)
+        iters = _iterations(nbytes)
+        for _ in range(3):
+            reduce(tensor).numpy()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            reduce(tensor).numpy()
+            times.append(time.perf_counter() - start)
+        seconds = _median(times)
         if rank == 0:
             algbw, busbw = bus_bandwidth(nbytes, seconds, size)
-            result = {"kind": "allreduce", "label": "", "backend": backend, "np": size,
-                      "bytes": nbytes, "iterations": iters, "seconds": seconds, "algbw": algbw,
-                      "busbw": busbw, "memcpy_bytes_per_sec": memcpy, "cores": cores}  # fmt: skip
+            result = {
+                "kind": "allreduce",
+                "label": args.label,
+                "backend": backend,
+                "np": size,
+                "bytes": nbytes,
+                "iterations": iters,
+                "seconds": seconds,
+                "algbw": algbw,
+                "busbw": busbw,
+                "memcpy_bytes_per_sec": memcpy,
+                "cores": cores,
+            }
             if nbytes in raw:
                 result["raw_mpi_seconds"] = raw[nbytes]
                 result["raw_mpi_busbw"] = bus_bandwidth(nbytes, raw[nbytes], size)[1]

@@ -42,7 +42,6 @@ import sys
 import time
 
 from hvdtrain.bench.runner import INDEPENDENT, Run, execute
-from hvdtrain.bench.timing import Windows
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 
@@ -61,7 +60,6 @@ STEPS_PER_CALL = 16
 CALLS = {"mlp": 60, "convnet": 4}  # per timed window: about 2.5 and 8 seconds on one core
 SECONDS_PER_STEP = {"mlp": 0.01, "convnet": 0.5}  # at batch 64: 4x this machine's one core
 WINDOWS = 5
-QUIET_WAIT = 20  # seconds, at most, before each job
 
 
 def decompose(ms, inside):
@@ -124,10 +122,10 @@ def markdown(ms, parts):
 
 
 def _worker(exchange, model_name, batch, calls):
-    from hvdtrain.bench.allreduce import raw_mpi
-    from hvdtrain.bench.workers import MARKER, _loss, bind, synthetic_data
+    from hvdtrain.bench.allreduce import _raw_mpi
+    from hvdtrain.bench.workers import MARKER, _bind, _loss, synthetic_data
 
-    bind()
+    _bind()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
 
@@ -213,28 +211,34 @@ def _worker(exchange, model_name, batch, calls):
     for k in range(max(3, calls // 3)):  # warm-up: tracing, caches
         steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL))
     spent.update(call=0.0, scale=0.0, steps=0)
-
-    def window():
+    windows = []
+    for _ in range(WINDOWS):
+        start = time.perf_counter()
         for k in range(calls):
             steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL)).numpy()
-
-    walls = Windows(usage=False).run(window, WINDOWS).walls()
-    windows = [1e3 * wall / (calls * STEPS_PER_CALL) for wall in walls]
+        windows.append(1e3 * (time.perf_counter() - start) / (calls * STEPS_PER_CALL))
     inside = {}
     if comm is not None:  # every rank's mean per step (the wait falls on the faster one)
         n = max(spent["steps"], 1)
         mine = {"call": 1e3 * spent["call"] / n, "scale": 1e3 * spent["scale"] / n}
         if exchange in ("sync", "mpi"):  # the same call in a tight loop, the ranks together
             nbytes = 4 if exchange == "sync" else 4 * sum(sizes)
-            mine["together"] = 1e3 * raw_mpi(comm, [nbytes])[nbytes]
+            mine["together"] = 1e3 * _raw_mpi(comm, [nbytes])[nbytes]
         ranks = comm.gather(mine, root=0)
         if rank == 0:
             inside = {key: statistics.mean(r[key] for r in ranks) for key in mine}
             inside["call_by_rank"] = [r["call"] for r in ranks]
     if rank == 0:
-        result = {"kind": "floor", "exchange": exchange, "np": size, "batch_size": batch,
-                  "gradient_bytes": 4 * sum(sizes), "ms_per_step": statistics.median(windows),
-                  "windows_ms": windows, "inside_ms": inside}  # fmt: skip
+        result = {
+            "kind": "floor",
+            "exchange": exchange,
+            "np": size,
+            "batch_size": batch,
+            "gradient_bytes": 4 * sum(sizes),
+            "ms_per_step": statistics.median(windows),
+            "windows_ms": windows,
+            "inside_ms": inside,
+        }
         print(MARKER + json.dumps(result), flush=True)
     return 0
 
@@ -243,10 +247,14 @@ def _inside(by_job):
     """{job: [inside_ms per round]} -> `decompose`'s `inside` (medians over rounds)."""
     med = {job: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
                  if key != "call_by_rank"} for job, rounds in by_job.items()}  # fmt: skip
-    where = {"copy": ("copy", "call"), "sync": ("sync", "call"),
-             "sync_together": ("sync", "together"), "mpi": ("mpi", "call"),
-             "mpi_together": ("mpi", "together"), "scale": ("mpi", "scale")}  # fmt: skip
-    return {name: med[job][key] for name, (job, key) in where.items()}
+    return {
+        "copy": med["copy"]["call"],
+        "sync": med["sync"]["call"],
+        "sync_together": med["sync"]["together"],
+        "mpi": med["mpi"]["call"],
+        "mpi_together": med["mpi"]["together"],
+        "scale": med["mpi"]["scale"],
+    }
 
 
 def _timeout(model, batch, calls):
@@ -264,6 +272,7 @@ def _run(argv):
     p.add_argument("--model", choices=("mlp", "convnet"), default="mlp")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--quick", action="store_true", help="short windows, one round: a smoke run")
+    p.add_argument("--quiet-wait", type=float, default=20, help="seconds, at most, per job")
     p.add_argument("--exchange", choices=("none", "copy", "sync", "mpi", "horovod"),
                    help="worker mode: one rank of one job (what the ranks run)")  # fmt: skip
     p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
@@ -277,9 +286,8 @@ def _run(argv):
         args.calls = max(1, CALLS[args.model] // 15) if args.quick else CALLS[args.model]
     if args.exchange:
         return _worker(args.exchange, args.model, args.batch_size, args.calls)
-    quiet_wait = 0 if args.quick else QUIET_WAIT
     if args.quick:
-        args.rounds = 1
+        args.rounds, args.quiet_wait = 1, 0
     jobs, inside = {}, {}  # per job, round by round: ms per step; what was timed inside
     logs = os.path.join(os.path.abspath(args.out), "logs")
     for r in range(args.rounds):
@@ -290,7 +298,7 @@ def _run(argv):
             run = Run(f"floor-{job}-r{r}", "floor", np_, backend, worker_args)
             timeout = _timeout(args.model, args.batch_size, args.calls)
             record = execute(run, logs, dict(os.environ), timeout, lambda *_, **__: None,
-                             quiet_seconds=quiet_wait)  # fmt: skip
+                             quiet_seconds=args.quiet_wait)  # fmt: skip
             results = [x for x in record["results"] if x.get("kind") == "floor"]
             if not record["ok"] or len(results) != (2 if backend == INDEPENDENT else 1):
                 why = f"timed out after {timeout:.0f} s" if record["timed_out"] else "failed"

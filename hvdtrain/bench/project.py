@@ -68,46 +68,80 @@ def default_workloads(convnet_compute_seconds=None, convnet_params=None):
     P100's 219 images/s (batch 64: 0.29 s per step) and at a faster GPU (0.1 s per step), and
     the MNIST convnet with the compute time measured here (one CPU core) and with an
     assumed GPU step of 2 ms."""
-
-    def workload(name, params, compute_seconds, source):
-        return {"name": name, "params": params, "compute_seconds": compute_seconds,
-                "compute_source": source}  # fmt: skip
-
     rows = [
-        workload("ResNet-50 (P100, batch 64)", 25.6e6, 64 / 219,
-                 "assumed: P100 at 219 images/s (TF benchmarks)"),
-        workload("ResNet-50 (faster GPU, batch 64)", 25.6e6, 0.1, "assumed: 640 images/s"),
-    ]  # fmt: skip
-    if convnet_params and convnet_compute_seconds:
-        name = "MNIST convnet (measured: 1 CPU core, batch 64)"
-        rows.append(workload(name, convnet_params, convnet_compute_seconds,
-                             "measured here (hvdtrain, -np 1)"))  # fmt: skip
+        {
+            "name": "ResNet-50 (P100, batch 64)",
+            "params": 25.6e6,
+            "compute_seconds": 64 / 219,
+            "compute_source": "assumed: P100 at 219 images/s (TF benchmarks)",
+        },
+        {
+            "name": "ResNet-50 (faster GPU, batch 64)",
+            "params": 25.6e6,
+            "compute_seconds": 0.1,
+            "compute_source": "assumed: 640 images/s",
+        },
+    ]
     if convnet_params:
-        rows.append(workload("MNIST convnet (GPU, batch 64)", convnet_params, 0.002,
-                             "assumed: 2 ms per step"))  # fmt: skip
+        if convnet_compute_seconds:
+            rows.append(
+                {
+                    "name": "MNIST convnet (measured: 1 CPU core, batch 64)",
+                    "params": convnet_params,
+                    "compute_seconds": convnet_compute_seconds,
+                    "compute_source": "measured here (hvdtrain, -np 1)",
+                }
+            )
+        rows.append(
+            {
+                "name": "MNIST convnet (GPU, batch 64)",
+                "params": convnet_params,
+                "compute_seconds": 0.002,
+                "compute_source": "assumed: 2 ms per step",
+            }
+        )
     return rows
 
 
 def project(workloads, bandwidths=(ROCE_25G, IB_100G), gpus=GPUS, bytes_per_param=4):
     """Predicted efficiency per workload, bandwidth and number of GPUs (a list of rows)."""
-    return [
-        {**w, "gradient_bytes": (nbytes := w["params"] * bytes_per_param),
-         "bandwidth_gbit": bw / GBIT,
-         "allreduce_seconds": {n: ring_allreduce_seconds(nbytes, n, bw) for n in gpus},
-         "efficiency": {n: efficiency(w["compute_seconds"], nbytes, n, bw) for n in gpus}}
-        for w in workloads for bw in bandwidths
-    ]  # fmt: skip
+    rows = []
+    for w in workloads:
+        nbytes = w["params"] * bytes_per_param
+        for bw in bandwidths:
+            rows.append(
+                {
+                    **w,
+                    "gradient_bytes": nbytes,
+                    "bandwidth_gbit": bw / GBIT,
+                    "allreduce_seconds": {n: ring_allreduce_seconds(nbytes, n, bw) for n in gpus},
+                    "efficiency": {
+                        n: efficiency(w["compute_seconds"], nbytes, n, bw) for n in gpus
+                    },
+                }
+            )
+    return rows
 
 
 def paper_check():
     """The model's prediction for the paper's setting, next to the published figures."""
-    bw, gpus = PAPER["bandwidth"], PAPER["gpus"]
-    return [
-        {"name": name, "params": params, "compute_seconds": compute, "bandwidth_gbit": bw / GBIT,
-         "predicted": {n: efficiency(compute, params * 4, n, bw) for n in gpus},
-         "published": list(PAPER["published_efficiency"])}
-        for name, params, compute in PAPER["models"]
-    ]  # fmt: skip
+    lo, hi = PAPER["published_efficiency"]
+    rows = []
+    for name, params, compute in PAPER["models"]:
+        predicted = {
+            n: efficiency(compute, params * 4, n, PAPER["bandwidth"]) for n in PAPER["gpus"]
+        }
+        rows.append(
+            {
+                "name": name,
+                "params": params,
+                "compute_seconds": compute,
+                "bandwidth_gbit": PAPER["bandwidth"] / GBIT,
+                "predicted": predicted,
+                "published": [lo, hi],
+            }
+        )
+    return rows
 
 
 def _fmt_table(rows, gpus=GPUS):

@@ -1,8 +1,7 @@
-"""The benchmark's launcher side: the command of each job, running it, reading its results.
+"""The benchmark's launcher side: which runs to make, the command of each, running them.
 
-`launch` (pure) makes a `Run`'s processes; `execute` starts them, streams their output to
-the job's log, shows progress and reads the `@@hvdbench {json}` lines back with each rank's
-CPU use (`read_log`, `attach_usage`). Never imports TensorFlow.
+Pure planning (`plan`, `launch`) and a runner that starts each job, streams its output,
+shows progress and collects the `@@hvdbench {json}` lines. Never imports TensorFlow.
 
 Launch per variant (all on localhost, one core per rank by default):
 
@@ -28,12 +27,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hvdtrain.bench.timing import machine_busy_seconds
 from hvdtrain.bench.workers import CPU_MARKER, MARKER, result_key
 from hvdtrain.launcher.commands import LaunchConfig, build_command
 from hvdtrain.launcher.hosts import local_hosts
 
-__all__ = ["Run", "launch", "free_ports", "quiet_wait", "read_log", "attach_usage", "execute"]
+__all__ = [
+    "Run",
+    "attach_usage",
+    "launch",
+    "free_ports",
+    "tf_config",
+    "quiet_wait",
+    "cpu_busy",
+    "execute",
+]
 
 _DECODER = json.JSONDecoder()
 # A window counts as quiet when other processes took less than this many cores in it.
@@ -86,6 +93,12 @@ def free_ports(n):
             s.close()
 
 
+def tf_config(ports, index):
+    """The TF_CONFIG of worker `index` of a localhost cluster on `ports`."""
+    workers = [f"localhost:{p}" for p in ports]
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+
 _MODULES = {"allreduce": "hvdtrain.bench.allreduce", "floor": "hvdtrain.bench.floor"}
 
 
@@ -113,28 +126,43 @@ def launch(run, python, environ, uid, ports=None):
     if run.backend == INDEPENDENT:  # N single-process jobs at once, each on its own core
         return [(command, {"HVDBENCH_LOCAL_RANK": str(i)}) for i in range(run.np)]
     if run.variant == "mwms":
-        cluster = {"worker": [f"localhost:{p}" for p in ports or free_ports(run.np)]}
-        return [(command, {"HVDBENCH_LOCAL_RANK": str(i), "TF_CONFIG": json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": i}})})
-            for i in range(run.np)]  # fmt: skip
-    horovodrun = os.path.join(bindir, "horovodrun")
+        ports = ports or free_ports(run.np)
+        return [
+            (command, {"HVDBENCH_LOCAL_RANK": str(i), "TF_CONFIG": tf_config(ports, i)})
+            for i in range(run.np)
+        ]
     if run.variant in ("hvdtrain", *_MODULES):
-        hosts = tuple(local_hosts(run.np))
-        config = LaunchConfig(backend=run.backend, np=run.np, hosts=hosts, command=command)
+        config = LaunchConfig(
+            backend=run.backend, np=run.np, hosts=tuple(local_hosts(run.np)), command=command
+        )
+        horovodrun = os.path.join(bindir, "horovodrun")
         # The job's own variables count as set here (e.g. TF_USE_LEGACY_KERAS on another stack)
-        return [build_command(config, {**environ, **run.env}, uid, bindir, horovodrun)]
+        argv, env = build_command(config, {**environ, **run.env}, uid, bindir, horovodrun)
+        return [(argv, env)]
     # The baseline: horovodrun exactly as Horovod's documentation writes it.
+    horovodrun = os.path.join(bindir, "horovodrun")
     argv = [horovodrun, "-np", str(run.np), "-H", f"localhost:{run.np}", f"--{run.backend}"]
     return [(argv + command, {})]
 
 
 def cpu_busy(seconds=1.0):
-    """The number of cores busy (0 .. cores) over `seconds`, the hypervisor's steal counted
-    as busy (/proc/stat); None elsewhere."""
-    start, before = time.monotonic(), machine_busy_seconds(steal=True)
-    time.sleep(seconds)
-    after, wall = machine_busy_seconds(steal=True), time.monotonic() - start
-    return None if before is None or after is None else (after - before) / wall
+    """The number of cores busy (0 .. cores) over `seconds`, from /proc/stat; None elsewhere."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    dt = total1 - total0
+    return cores * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
 
 
 def quiet_wait(limit_seconds, busy_below=0.25, log=None):
@@ -158,10 +186,20 @@ def quiet_wait(limit_seconds, busy_below=0.25, log=None):
 
 def _parse(line, marker):
     at = line.find(marker)
+    if at < 0:
+        return None
     try:  # raw_decode: mpirun --tag-output may glue the next line's tag to this one
-        return _DECODER.raw_decode(line[at + len(marker) :])[0] if at >= 0 else None
+        return _DECODER.raw_decode(line[at + len(marker) :])[0]
     except ValueError:
         return None
+
+
+def _stream(proc, log_file, on_result):
+    for line in proc.stdout:
+        log_file.write(line)
+        result = _parse(line, MARKER)
+        if result is not None:
+            on_result(result, final=False)
 
 
 def read_log(path):
@@ -205,7 +243,7 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     walls = result.get("window_seconds") or []
     busy = result.get("machine_busy_seconds") or []
     result["rank_cpu_seconds"] = {str(r): v for r, v in sorted(ranks.items())}
-    result["rank_thread_seconds"] = {  # per window, by thread group (timing.thread_groups)
+    result["rank_thread_seconds"] = {  # per window, by thread group (workers.thread_groups)
         str(c["rank"]): c["threads"] for c in cpu_lines if c.get("key") == key and "threads" in c
     }
     external = []
@@ -227,68 +265,78 @@ def attach_usage(result, cpu_lines, quiet_below=QUIET_BELOW, min_quiet=3):
     return result
 
 
-def _run_all(procs, env, log_file, on_result, timeout):
-    """Starts every process of a job, streams their output to `log_file` (results shown as
-    they come) and waits; a failed rank or the `timeout` kills the rest (they would hang).
-    Returns (exit codes, timed out)."""
-
-    def stream(proc):
-        for line in proc.stdout:
-            log_file.write(line)
-            if (result := _parse(line, MARKER)) is not None:
-                on_result(result, final=False)
-
-    handles = []
-    for argv, own in procs:
-        log_file.write("$ " + shlex.join(argv) + "\n")
-        log_file.flush()
-        handles.append(subprocess.Popen(
-            argv, env={**env, **own}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, cwd=PACKAGE_ROOT, start_new_session=True))  # fmt: skip
-    readers = [threading.Thread(target=stream, args=(h,), daemon=True) for h in handles]
-    for t in readers:
-        t.start()
-    deadline = time.monotonic() + timeout
-    while any(h.poll() is None for h in handles):
-        if any(h.poll() not in (None, 0) for h in handles) or time.monotonic() > deadline:
-            for h in (h for h in handles if h.poll() is None):
-                try:
-                    os.killpg(h.pid, 9)
-                except OSError:
-                    pass
-            break
-        time.sleep(0.2)
-    timed_out = time.monotonic() > deadline
-    codes = [h.wait() for h in handles]
-    for t in readers:
-        t.join(timeout=5)
-    return codes, timed_out
-
-
 def execute(run, log_dir, base_env, timeout, on_result, quiet_seconds=0, log=None):
     """Runs `run` to the end (or `timeout`), returns its record with the results.
 
     Output of every process goes to `log_dir/<name>.log`; rank 0's result lines are parsed
     as they come (`on_result` shows progress).
     """
-    quiet = quiet_wait(quiet_seconds, log=log)
+    quiet = quiet_wait(quiet_seconds, log=log) if quiet_seconds else quiet_wait(0)
     uid = os.getuid() if hasattr(os, "getuid") else 1
     procs = launch(run, run.python or sys.executable, base_env, uid)
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, f"{run.name}.log")
     started = time.monotonic()
     with open(path, "w") as log_file:
-        codes, timed_out = _run_all(procs, {**base_env, **run.env}, log_file, on_result, timeout)
+        handles = []
+        for argv, env in procs:
+            full = {**base_env, **run.env, **env}
+            log_file.write("$ " + shlex.join(argv) + "\n")
+            log_file.flush()
+            handles.append(
+                subprocess.Popen(
+                    argv,
+                    env=full,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=PACKAGE_ROOT,
+                    start_new_session=True,
+                )
+            )
+        readers = [
+            threading.Thread(target=_stream, args=(h, log_file, on_result), daemon=True)
+            for h in handles
+        ]
+        for t in readers:
+            t.start()
+        deadline = started + timeout
+        while any(h.poll() is None for h in handles):
+            failed = any(h.poll() not in (None, 0) for h in handles)
+            if failed or time.monotonic() > deadline:  # a rank failed: the others would hang
+                for h in handles:
+                    if h.poll() is None:
+                        try:
+                            os.killpg(h.pid, 9)
+                        except OSError:
+                            pass
+                break
+            time.sleep(0.2)
+        timed_out = time.monotonic() > deadline
+        codes = [h.wait() for h in handles]
+        for t in readers:
+            t.join(timeout=5)
     # The log file holds every line: read the figures back from it, so that no line a
     # reader thread had not handed over yet is missing.
     results = read_log(path)
-    for result in (r for r in results if "window_seconds" in r):
-        on_result(result, final=True)
+    for result in results:
+        if "window_seconds" in result:
+            on_result(result, final=True)
     return {
-        "name": run.name, "variant": run.variant, "np": run.np, "backend": run.backend,
-        "group": run.group, "tags": [list(t) for t in run.tags], "env": dict(run.env),
-        "python": run.python, "command": [shlex.join(argv) for argv, _ in procs],
-        "exit_codes": codes, "ok": all(c == 0 for c in codes), "timed_out": timed_out,
-        "seconds": round(time.monotonic() - started, 1), "machine": quiet,
-        "log": os.path.relpath(path, os.path.dirname(log_dir)), "results": results,
-    }  # fmt: skip
+        "name": run.name,
+        "variant": run.variant,
+        "np": run.np,
+        "backend": run.backend,
+        "group": run.group,
+        "tags": [list(t) for t in run.tags],
+        "env": dict(run.env),
+        "python": run.python,
+        "command": [shlex.join(argv) for argv, _ in procs],
+        "exit_codes": codes,
+        "ok": all(c == 0 for c in codes),
+        "timed_out": timed_out,
+        "seconds": round(time.monotonic() - started, 1),
+        "machine": quiet,
+        "log": os.path.relpath(path, os.path.dirname(log_dir)),
+        "results": results,
+    }

@@ -109,23 +109,27 @@ def summarize_timeline(text, skip_steps=5):
         for i in group:
             for name, span in i["phases"].items():
                 phases.setdefault(name, set()).add(span)
-        rows.append({
-            "first": first,
-            "after_last_gradient": (end - last) / 1000,
-            "wait_for_other_ranks": max(0, ready - last) / 1000,
-            "wait_for_cycle": max(0, negotiated - max(ready, last)) / 1000,
-            "to_start": max(0, start - negotiated) / 1000,
-            "backward_spread": (last - first) / 1000,
-            "responses": _clusters(sorted(i["start"] for i in group)),
-            **{name: _union_ms(spans) for name, spans in phases.items()},
-        })  # fmt: skip
+        rows.append(
+            {
+                "first": first,
+                "after_last_gradient": (end - last) / 1000,
+                "wait_for_other_ranks": max(0, ready - last) / 1000,
+                "wait_for_cycle": max(0, negotiated - max(ready, last)) / 1000,
+                "to_start": max(0, start - negotiated) / 1000,
+                "backward_spread": (last - first) / 1000,
+                "responses": _clusters(sorted(i["start"] for i in group)),
+                **{name: _union_ms(spans) for name, spans in phases.items()},
+            }
+        )
     for a, b in zip(rows, rows[1:], strict=False):
         a["period"] = (b["first"] - a["first"]) / 1000
     rows = [r for r in rows[skip_steps:] if "period" in r]
     if not rows:
         return None
     keys = sorted({k for r in rows for k in r} - {"first"})
-    summary = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys}
+    summary = {
+        k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys if k != "first"
+    }
     summary["compute"] = round(summary["period"] - summary["after_last_gradient"], 4)
     summary["steps"] = len(rows)
     summary["tensors"] = len(complete)
