@@ -55,7 +55,13 @@ def read_idx(path):
             f"Invalid MNIST file {path}: the header promises shape {dims} but the file holds "
             f"{len(raw) - header} bytes of data (truncated or damaged)."
         )
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+    try:  # a zero dimension beside huge ones: no data, yet numpy refuses the shape
+        return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+    except ValueError as e:
+        raise HvdtrainError(
+            f"Invalid MNIST file {path}: the header's shape {dims} is not one an array can have "
+            f"({e})."
+        ) from None
 
 
 def _find_idx(data_dir, names):

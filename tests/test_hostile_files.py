@@ -77,6 +77,7 @@ def gzipped(data, damage):
 @given(data=IDX, gz=st.booleans(), damage=st.integers(0, 3))
 @example(data=idx_bytes(3, [2**31, 2**31, 4], 0), gz=False, damage=0)  # 2**64 wraps to 0
 @example(data=idx_bytes(3, [2, 28, 28], 2 * 28 * 28), gz=True, damage=2)
+@example(data=idx_bytes(3, [0, 0x8103091C, 0xFDFDFDFD], 0), gz=False, damage=0)  # found on 3.12
 def test_read_idx(tmp_path_factory, data, gz, damage):
     path = fresh(tmp_path_factory, "idx") / ("f.idx.gz" if gz else "f.idx")
     path.write_bytes(gzipped(data, damage) if gz else data)
