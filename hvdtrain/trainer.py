@@ -198,7 +198,8 @@ class Run:
     def setup(self):
         cfg = self.cfg
         runtime.init(threads=cfg.threads)
-        rank = datamod.Placement.current().rank
+        place = datamod.Placement.current()
+        rank = place.rank
         self.log = get_logger(rank)
         # A rank stuck anywhere from here on (building the model, loading the data, in a
         # collective) ends the job: long phases get 10 stall times (50 min by default).
@@ -228,7 +229,7 @@ class Run:
         # Horovod: every optimizer the model holds averages its gradients over the ranks,
         # with the LR x ranks after a warmup (`hvdtrain.prepare`); the model's own compile
         # is not called again.
-        optimizers = prepare.distribute(model, k, cfg, datamod.Placement.current().size, policy)
+        optimizers = prepare.distribute(model, k, cfg, place.size, policy)
         k.configure(model, spe)
         if xla:
             self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
