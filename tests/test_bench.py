@@ -28,6 +28,18 @@ def _run_quick(module, out, *extra):
     return proc
 
 
+def _noise(data):
+    """Each job's figures with how busy the machine was in their windows: what a failed
+    bound on a measured ratio is read against (another tenant slows a one-core figure)."""
+    return "\n".join(
+        f"{run['name']}: {r.get('samples_per_sec', 0):,.0f} samples/s, "
+        f"{r.get('quiet_windows')} quiet, other cores {r.get('external_cores')}"
+        for run in data["runs"]
+        for r in run["results"]
+        if "window_seconds" in r
+    )
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -70,11 +82,12 @@ def test_quick_run_writes_json_markdown_and_png(quick):
     assert {r["backend"] for r in rows} == {"gloo", "mpi"}
     for r in rows:
         for key in ("hvdtrain_efficiency", "baseline_efficiency", "mwms_efficiency"):
-            assert 0 < r[key] < 2
+            assert 0 < r[key] < 2, f"{key} {r[key]}\n{_noise(data)}"
         assert r["vs_baseline"] > 0 and r["vs_mwms"] > 0 and r["vs_keras"] > 0
         assert r["hvdtrain_efficiency"] == pytest.approx(r["hvdtrain_n"] / (n * r["hvdtrain_1"]))
         assert r["keras3_vs_keras2_n"] == pytest.approx(r["keras3_n"] / r["hvdtrain_n"])
-        assert r["keras3_vs_baseline"] > 0 and 0 < r["keras3_efficiency"] < 2
+        assert r["keras3_vs_baseline"] > 0
+        assert 0 < r["keras3_efficiency"] < 2, f"{r['keras3_efficiency']}\n{_noise(data)}"
     assert [t["target"] for t in data["targets"]][:4] == [
         "MLP scaling efficiency",
         "MLP scaling efficiency, batch 128",
@@ -105,7 +118,7 @@ def test_quick_run_writes_json_markdown_and_png(quick):
     assert inp["files_vs_memory"] == pytest.approx(inp["files"] / inp["memory"])
     [ceiling] = data["ceiling"]  # n unconnected one-core runs side by side, against one alone
     assert (ceiling["model"], ceiling["batch_size"], ceiling["np"]) == ("mlp", 64, n)
-    assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0
+    assert 0 < ceiling["ceiling"] < 2 and ceiling["alone"] > 0, f"{ceiling}\n{_noise(data)}"
     assert data["targets"][0]["machine_ceiling"] == ceiling["ceiling"]
     stacks = data["stacks"]  # the other stack's jobs ran with its python, beside this one's
     assert [r["python"] for r in data["runs"] if r["group"] == "stack"] == [sys.executable] * 3

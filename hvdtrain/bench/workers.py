@@ -129,10 +129,12 @@ def synthetic_data(n, seed=0):
 
 
 def machine_busy_seconds():
-    """CPU seconds all cores of this machine spent busy since boot (/proc/stat), or None."""
+    """CPU seconds all cores of this machine spent busy since boot (/proc/stat), or None.
+    The hypervisor's steal counts as busy, as in the runner's quiet wait: a core another
+    virtual machine took was not this job's."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:8]]
+            fields = [int(v) for v in f.readline().split()[1:9]]  # user .. steal
     except (OSError, ValueError):
         return None
     idle = fields[3] + fields[4]  # idle, iowait
