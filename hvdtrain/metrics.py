@@ -34,17 +34,23 @@ def _states(model):
     return [(m.name, [v.numpy() for v in m.variables]) for m in model.metrics if m.variables]
 
 
-def global_results(model, keep=None):
+def global_results(model, keep=None, samples=None):
     """The model's metric results over every rank: each metric's state (total and count,
     confusion counts, ...) summed over the ranks, then its `result()`. A collective: every
-    rank calls it, with whatever its metrics hold (none if it saw no batch). With `keep`
-    (this rank's names of the results to keep: what Keras's `evaluate` returned), only the
-    results some rank keeps: a metric a `test_step` of the model's own never updates is left
-    out, as Keras's `evaluate` leaves it out."""
-    mine = (_states(model), None if keep is None else sorted(keep))
+    rank calls it, with whatever its metrics hold (none if it saw no batch).
+
+    With `keep` (what Keras's `evaluate` returned on this rank: {name: value}), only the
+    results some rank returned: a metric a `test_step` of the model's own never updates is
+    left out, as Keras's `evaluate` leaves it out; and what that `test_step` returned
+    besides its metrics (a distillation's `student_loss`: Keras reports the last batch's)
+    is kept, its mean over the ranks that returned it. With `samples` (this rank's count),
+    `samples` is their sum over the ranks."""
+    others = {k: _scalar(v) for k, v in (keep or {}).items()}
+    others = {k: v for k, v in others.items() if v is not None}
+    mine = (_states(model), None if keep is None else sorted(keep), samples, others)
     pairs = hvd.allgather_object(mine, name="hvdtrain.metrics") if hvd.size() > 1 else [mine]
-    gathered = [states for states, _ in pairs]
-    kept = None if keep is None else {name for _, names in pairs for name in names or ()}
+    gathered = [states for states, *_ in pairs]
+    kept = None if keep is None else {name for _, names, *_ in pairs for name in names or ()}
     summed = {}
     for states in gathered:
         for name, arrays in states:
@@ -76,9 +82,12 @@ def global_results(model, keep=None):
         results = {**taken, **results}
     if kept is not None:
         results = {k: v for k, v in results.items() if k in kept}
-    # Keras' loss tracker counts samples: its update is weighted by the batch size.
-    if len(summed.get("loss", ())) == 2:
-        results["samples"] = int(round(float(summed["loss"][1])))
+        for name in sorted(kept - set(results)):  # not a metric: the mean over the ranks
+            values = [o[name] for *_, o in pairs if name in o]
+            if values:
+                results[name] = float(np.mean(values))
+    if samples is not None:
+        results["samples"] = sum(n for _, _, n, _ in pairs)
     return results
 
 
@@ -110,20 +119,35 @@ def evaluate(model, dataset, callbacks=None):
     (see `sized`). `callbacks` go to Keras' `evaluate` (a `WatchdogCallback` keeps watching).
 
     Returns:
-        {"loss": ..., <metric>: ..., "samples": test samples over all ranks}
+        {"loss": ..., <metric>: ..., "samples": test samples over all ranks}: what Keras's
+        `evaluate` returns (with a `test_step` of the model's own: what it returns) over
+        all ranks, and the samples counted as the data was read (a loss tracker a
+        `test_step` updates once per batch counts batches).
     """
     model.reset_metrics()
-    returned = {}
+    returned, count = {}, None
     if dataset is not None:
-        dataset = sized(dataset, count=_steps_per_execution(model) > 1)
+        dataset, count = _counting(sized(dataset, count=_steps_per_execution(model) > 1))
         try:
             returned = model.evaluate(dataset, verbose=0, callbacks=callbacks, return_dict=True)
         except ValueError as e:  # Keras' answer to a dataset without a single batch
             if "Empty logs" not in str(e):
                 raise
-    results = {"samples": 0, **global_results(model, keep=returned or {})}
+    samples = 0 if count is None else int(count.numpy())
+    results = global_results(model, keep=returned, samples=samples)
     model.reset_metrics()
     return results
+
+
+def _counting(dataset):
+    """(`dataset`, a variable that counts the samples of the batches read from it)."""
+    count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def add(*batch):
+        count.assign_add(tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0])
+        return batch if len(batch) > 1 else batch[0]
+
+    return dataset.map(add), count
 
 
 _SIZED = weakref.WeakKeyDictionary()  # dataset -> the same with its length known

@@ -266,6 +266,29 @@ def test_evaluation_keeps_a_metric_that_counted_nothing():
     assert got["fp"] == 0.0 and got["samples"] == 8
 
 
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_evaluation_counts_samples_in_the_data_and_keeps_what_a_test_step_returns(version):
+    """The Keras guide's test_step: its loss tracker updated once a batch (a count of
+    batches, not samples), and a value that is no metric beside the metrics."""
+    k = _keras(version)
+
+    class CustomModel(k.Model):
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            loss = tf.reduce_mean(k.losses.mean_squared_error(y, y_pred))  # one number
+            self.tracker.update_state(loss)  # once a batch, unweighted
+            return {"loss": self.tracker.result(), "last_batch": tf.reduce_mean(y_pred)}
+
+    inputs = k.Input((2,), name="num")
+    model = CustomModel(inputs, k.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.tracker = k.metrics.Mean(name="loss")
+    x, y = {"num": np.ones((10, 2), "float32")}, np.zeros(10, "float32")
+    got = hvdtrain.evaluate(model, hvdtrain.eval_dataset(x, y, 4, 0, 1))  # 4 + 4 + 2
+    assert got["samples"] == 10 and got["loss"] >= 0 and "last_batch" in got
+
+
 # -- ArrayData takes what Keras's fit takes (one process) ---------------------------------
 def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
     n = 10
@@ -372,6 +395,11 @@ def test_models_that_customize_fit_train_on_two_ranks_to_one_weights_digest(corp
         accuracy = "sparse_categorical_accuracy" if name == "distiller" else "p_acc"
         assert 0 <= m["test"][accuracy] <= 1
         assert "c_loss" not in m["test"]  # what its test_step leaves alone is left out
+        # Counted in the data (34 and 33 samples), not by a loss tracker a test_step of its
+        # own updates once a batch (the contrastive model's).
+        assert m["test_samples"] == 67
+    if name == "distiller" and version == "2":  # Keras 2's guide: a value beside the metrics
+        assert m["test"]["student_loss"] > 0 and len(m["history"]["val_student_loss"]) == 2
     if name == "named":  # a dict of inputs, sample weights: Keras's own steps
         assert m["test_samples"] == 64 and m["test"]["accuracy"] > 0.3
         assert os.path.exists(out / "ck" / name / "model.keras")
