@@ -211,14 +211,32 @@ def _name_failures(rank):
                 "or its host was lost (see its error)"
             )
         else:
-            first = next((line for line in str(value).splitlines() if line.strip()), "")
-            text = f"failed: {kind.__name__}" + (f": {first.strip()[:300]}" if first else "")
+            cause = _cause(str(value))
+            text = f"failed: {kind.__name__}" + (f": {cause[:300]}" if cause else "")
         line = f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}"
         note_ending(line + "\n")
         write_line(line)
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook
+
+
+def _cause(message):
+    """The line of an exception's message that names what went wrong (pure): its first,
+    but for TensorFlow's op errors ("Graph execution error:", where the node was defined,
+    the cause, then the node), the cause."""
+    lines = [line.strip() for line in message.splitlines()]
+    if lines and lines[0] == "Graph execution error:":
+        causes = [
+            line
+            for line in message.splitlines()
+            if line.strip()
+            and not line[0].isspace()
+            and not line.startswith(("Graph execution", "Detected at node"))
+        ]
+        if causes:
+            return causes[-1].strip()
+    return next((line for line in lines if line), "")
 
 
 def is_main_process():

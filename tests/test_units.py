@@ -164,6 +164,25 @@ def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expecte
     assert _because_of_another_rank(text) == expected
 
 
+def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
+    """TensorFlow's op errors start "Graph execution error:"; the cause is further down."""
+    import tensorflow as tf
+
+    from hvdtrain.runtime import _cause
+
+    @tf.function
+    def loss(labels):  # a label out of range for 2 classes, as a user's data may hold
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.zeros([3, 2]))
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        loss(tf.constant([0, 1, 6]))
+    assert str(raised.value).startswith("Graph execution error:")
+    assert _cause(str(raised.value)).startswith("Received a label value of 6")
+    assert _cause("\nCould not interpret optimizer identifier: adma\n") == (
+        "Could not interpret optimizer identifier: adma"
+    )
+
+
 def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():
     from hvdtrain.runtime import gloo_hostname_problem
 
