@@ -116,6 +116,27 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
             run.guard.stop()
 
 
+def _check_class_weight(class_weight, model):
+    """`class_weight` as Keras's `fit` takes it, or a one-line error now rather than a
+    traceback at the first step: {class index: weight}, for a model of one output."""
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict) or not all(
+        isinstance(c, (int, np.integer)) and isinstance(w, (int, float, np.number))
+        for c, w in class_weight.items()
+    ):
+        raise invalid_value("class_weight", class_weight, "{class index: weight}")
+    outputs = len(getattr(model, "outputs", None) or ())  # None: a subclass not yet called
+    if outputs > 1:
+        raise invalid_value(
+            "class_weight",
+            class_weight,
+            f"a model with one output (Keras weighs the classes of one output only; this "
+            f"model has {outputs}): weigh the samples instead, "
+            "`hvdtrain.ArrayData(x, y, sample_weight=...)`",
+        )
+
+
 def resume_step(saved, steps, global_batch, accumulate=1):
     """The global step to resume at from a checkpoint's manifest (`epoch`, `step`,
     `global_batch`), for a run with `steps` per epoch and `global_batch` samples per step.
@@ -221,6 +242,7 @@ class Run:
             self._prepare(k, rank, policy)
             model = self._built()
         k.compiled(model)  # Keras 3 given Keras 2's positional metrics: one line
+        _check_class_weight(self.class_weight, model)
         xla = k.jit_compile(model)
         if policy and _plain(model, k):  # outputs back to float32 for a stable loss
             model = _float32_outputs(model, k)

@@ -111,6 +111,39 @@ MIXED_CASES.append(
      {}, [write("mixed.py", MIXED)], 2, "`loss_weights`: received [<MeanAbsoluteError", [])
 )  # fmt: skip
 
+# `class_weight` as Keras's fit refuses it (a model of two outputs; not a dict), checked
+# before the first step.
+CLASS_WEIGHT = """import sys
+import numpy as np
+import hvdtrain
+if sys.argv[1] == "3":
+    import keras
+else:
+    import tensorflow as tf
+    keras = tf.keras
+
+x = keras.Input((4,))
+outputs = {"a": keras.layers.Dense(2, name="a")(x), "b": keras.layers.Dense(1, name="b")(x)}
+two = sys.argv[2] == "two-outputs"
+m = keras.Model(x, outputs if two else outputs["a"])
+m.compile(optimizer="sgd", loss={"a": "sparse_categorical_crossentropy", "b": "mse"} if two
+          else "sparse_categorical_crossentropy")
+xs = np.ones((32, 4), "float32")
+y = np.zeros(32, "int64")
+y = {"a": y, "b": np.zeros((32, 1), "float32")} if two else y
+weights = {0: 1.0, 1: 3.0} if two else [1.0, 3.0]
+args = hvdtrain.ArgumentParser(epochs=1, batch_size=8).parse_args([])
+hvdtrain.fit(lambda: m, hvdtrain.ArrayData(xs, y), args, class_weight=weights)
+"""
+MIXED_CASES += [
+    ("keras3-compile-class-weight-two-outputs", [sys.executable, "{d}/cw.py", "3", "two-outputs"],
+     {}, [write("cw.py", CLASS_WEIGHT)], 2,
+     "`class_weight`: received {0: 1.0, 1: 3.0}; expected a model with one output", []),
+    ("class-weight-a-list", [sys.executable, "{d}/cw.py", "2", "list"], {},
+     [write("cw.py", CLASS_WEIGHT)], 2,
+     "`class_weight`: received [1.0, 3.0]; expected {class index: weight}", []),
+]  # fmt: skip
+
 CASES = [
     # -- environment variables
     ("stall-env", MNIST, {"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "abc"}, [], 2,
