@@ -160,9 +160,31 @@ def make_config(config=None, **options):
         values = {k: v for k, v in vars(config).items() if k in _FIELDS}
     values.update(options)
     unknown = sorted(set(values) - _FIELDS)
+    for name in unknown:  # Keras fit's own keyword: where hvdtrain takes it
+        if name in _KERAS_FIT:
+            raise invalid_value(
+                "option", name, f"hvdtrain.fit's own; Keras's `{name}` is {_KERAS_FIT[name]}"
+            )
     if unknown:
         raise invalid_value("option", unknown[0], f"one of {', '.join(sorted(_FIELDS))}")
     return TrainConfig(**values)
+
+
+_ARRAYS = "in the data: hvdtrain.ArrayData(x, y"
+_KERAS_FIT = {  # keywords of Keras's `fit` that hvdtrain takes elsewhere: where
+    "x": f"{_ARRAYS}), hvdtrain.fit's second argument",
+    "y": f"{_ARRAYS}), hvdtrain.fit's second argument",
+    "validation_data": f"{_ARRAYS}, test=(x_test, y_test)) (DatasetData's test_fn, FileData's "
+    "test), evaluated at every epoch's end",
+    "validation_split": f"{_ARRAYS}, test=(x_test, y_test)), split as you choose",
+    "sample_weight": f"{_ARRAYS}, sample_weight=...)",
+    "steps_per_epoch": "set by the data and the global batch, equal on every rank "
+    "(limit_samples=... for fewer)",
+    "initial_epoch": "the newest checkpoint's in checkpoint_dir, resumed on its own",
+    "shuffle": "always on: every epoch shuffled after sharding (seed=...)",
+    "verbose": "progress=..., on rank 0 only",
+    "validation_freq": "every epoch (with test data in the data)",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):

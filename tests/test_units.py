@@ -84,6 +84,23 @@ def test_importing_hvdtrain_does_not_import_tensorflow():
     assert out.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize(
+    "option, words",
+    [
+        ("validation_data", "ArrayData(x, y, test=(x_test, y_test))"),
+        ("sample_weight", "ArrayData(x, y, sample_weight=...)"),
+        ("verbose", "progress=..., on rank 0 only"),
+        ("epoch", "one of accumulate, batch_size"),  # a typo: the options, every one
+    ],
+)
+def test_a_keyword_of_keras_fit_given_to_hvdtrain_fit_says_where_it_goes(option, words):
+    from hvdtrain.flags import make_config
+
+    with pytest.raises(HvdtrainError, match=f"`option`: received '{option}'") as raised:
+        make_config(None, epochs=2, **{option: 1})
+    assert words in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_mistakes_with_the_building_blocks_are_clear_errors():
     import horovod.tensorflow as hvd
     import tensorflow as tf
