@@ -103,6 +103,11 @@ class UserCallbacks(tf.keras.callbacks.Callback):
             if refused:
                 name = refused.pop()
                 raise invalid_value("callbacks", name, REFUSED[name])
+        # What Keras's callbacks print (EarlyStopping's, ReduceLROnPlateau's `verbose=1`):
+        # on rank 0 only, as every line of the job.
+        self.verbose = {
+            id(c): c.verbose for c in self.all if isinstance(getattr(c, "verbose", None), int)
+        }
         self.for_rank(rank)
         # The same on every rank (from the whole list): agreeing costs a collective.
         self.stops_in_epochs = any(
@@ -117,6 +122,9 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         """Runs the callbacks of `rank` from now on (an elastic reset may make this worker
         rank 0: its writers then begin at the next `fit`)."""
         self.callbacks = [c for c in self.all if rank == 0 or not runs_on_rank0_only(c)]
+        for c in self.all:
+            if id(c) in self.verbose:
+                c.verbose = self.verbose[id(c)] if rank == 0 else 0
 
     def set_model(self, model):
         super().set_model(model)

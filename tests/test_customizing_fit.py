@@ -471,6 +471,9 @@ def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
     single = m["optimizers"]["optimizer"]["lr_single_worker"]
     assert single == pytest.approx(2.5e-4) and m["lr_final"] == pytest.approx(2 * single)
     assert "training stopped by a callback after epoch 3" in run.stderr
+    # What they print (verbose=1) on rank 0 alone, as plain Keras prints it once.
+    for printed in ("ReduceLROnPlateau reducing learning rate", "early stopping"):
+        assert run.stdout.count(printed) == proc.stdout.count(printed) > 0, printed
     best = m["ranks"][0]["weights_digest"]  # EarlyStopping put the best epoch's back
     # The same command again: the stop is in the checkpoint; nothing more is trained, and
     # the weights are those the stopped run ended with (its last checkpoint written again).

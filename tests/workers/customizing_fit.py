@@ -487,8 +487,9 @@ def keras_callbacks(folder):
     rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     return [
         K.callbacks.EarlyStopping(monitor="loss", min_delta=1000.0, patience=2,
-                                  restore_best_weights=True),
-        K.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1000.0),
+                                  restore_best_weights=True, verbose=1),
+        K.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1000.0,
+                                      verbose=1),
         K.callbacks.CSVLogger(os.path.join(folder, f"history-{rank}.csv"), append=True),
         K.callbacks.ModelCheckpoint(os.path.join(folder, f"last-{rank}.weights.h5"),
                                     save_weights_only=True),
