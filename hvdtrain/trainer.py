@@ -571,7 +571,7 @@ class Run:
         model, before = self.built.model, None
         if self.stopped is not None and self.built.manager and self.plan.place.rank == 0:
             before = runtime.weights_digest(model)
-        self.user.end()
+        self.user.end(self.history)
         if before is not None and runtime.weights_digest(model) != before:
             self.checkpointer.rewrite_last()
 

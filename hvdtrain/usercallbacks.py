@@ -117,6 +117,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         )
         self.run_params = dict(params or {})
         self.began, self.ended = set(), False  # the ids of the callbacks that began
+        self.last_logs = None  # the last epoch's, for `on_train_end`
 
     def for_rank(self, rank):
         """Runs the callbacks of `rank` from now on (an elastic reset may make this worker
@@ -150,11 +151,15 @@ class UserCallbacks(tf.keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         pass  # `end` calls theirs once the run's last fit is done
 
-    def end(self, logs=None):
+    def end(self, history=None):
         """The end of the run's training: the callbacks' `on_train_end` (EarlyStopping puts
-        the best weights back), once."""
+        the best weights back), once, with the last epoch's logs as Keras's `fit` gives
+        them; a run that resumed with no epoch left: the last of the run's `history`."""
         if not self.ended:
             self.ended = True
+            logs = self.last_logs
+            if logs is None and history:
+                logs = {k: v[-1] for k, v in history.items() if v}
             for c in self.callbacks:
                 if id(c) in self.began:
                     c.on_train_end(logs)
@@ -164,6 +169,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._each("on_epoch_end", epoch, logs)
+        self.last_logs = None if logs is None else dict(logs)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._each("on_train_batch_begin", batch, logs)

@@ -474,6 +474,10 @@ def test_keras_callbacks_write_once_and_steer_every_rank_as_in_plain_keras(
     # What they print (verbose=1) on rank 0 alone, as plain Keras prints it once.
     for printed in ("ReduceLROnPlateau reducing learning rate", "early stopping"):
         assert run.stdout.count(printed) == proc.stdout.count(printed) > 0, printed
+    # on_train_end gets the last epoch's logs (every rank: a callback of the user's).
+    final = f"final loss {float(got[-1]['loss']):.5f}"
+    assert f"final loss {float(expected[-1]['loss']):.5f}" in proc.stdout
+    assert run.stdout.count(final) == 2, run.stdout[-3000:]
     best = m["ranks"][0]["weights_digest"]  # EarlyStopping put the best epoch's back
     # The same command again: the stop is in the checkpoint; nothing more is trained, and
     # the weights are those the stopped run ended with (its last checkpoint written again).

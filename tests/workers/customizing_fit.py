@@ -493,6 +493,9 @@ def keras_callbacks(folder):
         K.callbacks.CSVLogger(os.path.join(folder, f"history-{rank}.csv"), append=True),
         K.callbacks.ModelCheckpoint(os.path.join(folder, f"last-{rank}.weights.h5"),
                                     save_weights_only=True),
+        # The last epoch's logs at the end, as a tracking service's callback reads them.
+        K.callbacks.LambdaCallback(
+            on_train_end=lambda logs: print(f"final loss {logs['loss']:.5f}", flush=True)),
     ]  # fmt: skip
 
 
