@@ -248,6 +248,13 @@ class Run:
             model = _float32_outputs(model, k)
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
+        if spe > 1 and usercallbacks.own_batch_hooks(self.user_callbacks):
+            self.log.warning(
+                "a callback of yours has batch hooks: Keras calls them once every %d steps (at "
+                "each execution's end, with its last batch's index); --steps-per-execution 1 "
+                "calls them at every step",
+                spe,
+            )
         # Horovod: every optimizer the model holds averages its gradients over the ranks,
         # with the LR x ranks after a warmup (`hvdtrain.prepare`); the model's own compile
         # is not called again.

@@ -68,6 +68,15 @@ def runs_on_rank0_only(callback):
     )
 
 
+def own_batch_hooks(callbacks):
+    """Whether a callback of the user's own (its class, or a `LambdaCallback`'s functions)
+    has batch hooks: with several steps per execution Keras calls them once per execution."""
+    return any(
+        _overrides(c, *BATCH_HOOKS) and not _keras_classes(c) - {"Callback", "LambdaCallback"}
+        for c in callbacks
+    )
+
+
 def _overrides(callback, *hooks):
     """Whether `callback` defines any of `hooks` itself (not Keras's no-op): its class, or
     the callback itself (`LambdaCallback(on_batch_end=...)` sets the hook on the object)."""

@@ -203,6 +203,15 @@ def test_writers_run_on_rank_0_only_steerers_everywhere_and_backup_is_refused(ve
     for hook in ("on_batch_end", "on_train_batch_begin"):  # hooks set on the object itself
         lam = k.callbacks.LambdaCallback(**{hook: lambda batch, logs: None})
         assert usercallbacks.UserCallbacks([lam], 1).stops_in_epochs, hook
+        assert usercallbacks.own_batch_hooks([lam]), hook  # told they run per execution
+
+    class PerBatch(k.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    assert usercallbacks.own_batch_hooks([*writers, PerBatch()])
+    # Keras's own with batch hooks (ModelCheckpoint, TensorBoard, TerminateOnNaN): no notice.
+    assert not usercallbacks.own_batch_hooks(writers + steerers)
     with pytest.raises(HvdtrainError, match="received 'BackupAndRestore'.*checkpoints and resumes"):
         usercallbacks.UserCallbacks([k.callbacks.BackupAndRestore(str(tmp_path / "b"))], 0)
 
