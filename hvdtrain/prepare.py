@@ -206,7 +206,8 @@ def _check_trainable(model, frontend):
             f"a model whose layer {unbuilt[0].name!r} is not built (its weights would appear "
             "at the first step, after every rank started from rank 0's)",
             "every layer built in build_model: begin each Sequential with keras.Input(shape), "
-            "or call .build(input_shape)",
+            "or call the model once on a batch, model(x[:1]) (Keras 3's .build(input_shape) "
+            "leaves a subclassed model's layers unbuilt)",
         )
     if not find_optimizers(model, frontend):
         raise invalid_value(

@@ -115,6 +115,38 @@ def test_a_loss_added_with_add_loss_and_a_learning_rate_scheduler(version, tmp_p
     assert out["lr_final"] == pytest.approx(0.05 / 3)  # x 1 rank
 
 
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_a_subclassed_model_called_once_as_the_unbuilt_error_says_trains(version):
+    k = _keras(version)
+
+    class Mine(k.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = k.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    x = np.zeros((8, 3), "float32")
+
+    def build(call_once):
+        model = Mine()
+        if call_once:
+            model(x[:1])  # what the error says
+        else:
+            model.build((None, 3))  # Keras 3: its layer stays unbuilt
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    if version == "3":
+        with pytest.raises(
+            HvdtrainError, match=r"call the model once on a batch, model\(x\[:1\]\)"
+        ):
+            hvdtrain.fit(lambda: build(False), (x, x[:, 0]), epochs=1, batch_size=4)
+    out = hvdtrain.fit(lambda: build(True), (x, x[:, 0]), epochs=1, batch_size=4)
+    assert out["optimizer_iterations"] == 2
+
+
 REFUSALS = [
     ("not compiled", "a model that is not compiled"),
     ("unbuilt", "layer 'augmenter' is not built"),
