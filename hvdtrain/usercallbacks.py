@@ -127,6 +127,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         self.run_params = dict(params or {})
         self.began, self.ended = set(), False  # the ids of the callbacks that began
         self.last_logs = None  # the last epoch's, for `on_train_end`
+        self.models = {}  # id(callback) -> the model it was given
 
     def for_rank(self, rank):
         """Runs the callbacks of `rank` from now on (an elastic reset may make this worker
@@ -137,9 +138,13 @@ class UserCallbacks(tf.keras.callbacks.Callback):
                 c.verbose = self.verbose[id(c)] if rank == 0 else 0
 
     def set_model(self, model):
+        """Once per callback and model: Keras sets it at every `fit` (one per epoch on Keras
+        3), and TensorBoard's opens new event files and writes the graph again each time."""
         super().set_model(model)
         for c in self.callbacks:
-            c.set_model(model)
+            if self.models.get(id(c)) is not model:
+                self.models[id(c)] = model
+                c.set_model(model)
 
     def set_params(self, params):
         params = {**(params or {}), **self.run_params}

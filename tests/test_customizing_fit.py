@@ -275,9 +275,11 @@ def test_callbacks_see_one_training_and_class_weight_reaches_keras(version, tmp_
 
     x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
-    out = hvdtrain.fit(build, (x, y), epochs=3, batch_size=8, callbacks=[Count()],
+    board = k.callbacks.TensorBoard(str(tmp_path / "tb"))
+    out = hvdtrain.fit(build, (x, y), epochs=3, batch_size=8, callbacks=[Count(), board],
                        class_weight={0: 0.0, 1: 0.0}, checkpoint_dir=str(tmp_path))  # fmt: skip
     assert seen == ["begin", 0, 1, 2, "end"]
+    assert len(os.listdir(tmp_path / "tb" / "train")) == 1  # one event file, not one an epoch
     assert out["optimizer_iterations"] == 12 and out["history"]["loss"] == [0.0, 0.0, 0.0]
 
 
