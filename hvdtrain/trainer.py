@@ -325,6 +325,7 @@ class Run:
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
             start_step = resume_step(saved, steps, global_batch)
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
+        watchdog.holding("set-up: preparing the test set")
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
         self.plan = Plan(p, data, steps, global_batch, warmup_steps, start_step, test_ds)
         return start_step
@@ -488,6 +489,7 @@ class Run:
 
         cfg, b, plan = self.cfg, self.built, self.plan
         steps, start, model = plan.steps, plan.start_step, b.model
+        watchdog.holding("starting Keras's fit (the callbacks, the data, on_train_begin)")
         callbacks = self.callbacks(**callback_args)
         where = ""
         if cfg.elastic:  # where this (re)start begins
