@@ -30,8 +30,10 @@ from hvdtrain.launcher.commands import is_secret, redact_text
 
 JOB = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "1", "--limit-samples", "1024",
        "--threads", "1"]  # fmt: skip
-# What a probe may see from a server that refuses it: 403, or the server gone at the end.
-REFUSED = {"403", "refused", "ConnectionResetError", "RemoteDisconnected", "BrokenPipeError"}
+# What a probe may see from a server that refuses it: 403, or the server gone at the end,
+# or no answer within the probe's 5 s (seen once on a loaded machine): never a 200.
+REFUSED = {"403", "refused", "ConnectionResetError", "RemoteDisconnected", "BrokenPipeError",
+           "TimeoutError"}  # fmt: skip
 
 
 def _ask(port, method, path, body=None, token=None):
