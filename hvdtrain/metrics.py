@@ -141,7 +141,8 @@ def evaluate(model, dataset, callbacks=None):
 
 def _counting(dataset):
     """(`dataset`, a variable that counts the samples of the batches read from it)."""
-    count = tf.Variable(0, dtype=tf.int64, trainable=False)
+    with tf.device("/CPU:0"):  # where tf.data runs: a variable on a GPU is out of its reach
+        count = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     def add(*batch):
         count.assign_add(tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0])
