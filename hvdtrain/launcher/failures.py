@@ -85,6 +85,11 @@ class Failure:
     code: int | None = None
     signal: int | None = None
     lost_host: str | None = None
+    # The rank the launcher named only stopped because another rank ended (it said so); the
+    # one that did is not known (it exited without an error line: `sys.exit(7)`).
+    consequence: bool = False
+    # hvdtrain's own error line was seen (`prog: error: ...`): statuses 2 to 4 are its own.
+    said: bool = True
 
     @property
     def exit_code(self):
@@ -163,8 +168,28 @@ def find_failure(lines, hosts=()):
         name, code = _NAME.search(text), _CODE.search(text)
         if name and code:
             found = Failure(int(name.group(1) or name.group(2)), code=int(code.group(1)))
+            found = _first_to_fail(found, text)
+    if found:
+        found.said = ": error: " in text
     if found and found.host is None and found.rank is not None and found.rank < len(hosts):
         found.host = hosts[found.rank]
+    return found
+
+
+_STOPPED = "hvdtrain: rank {} stopped:"
+_FAILED = re.compile(r"hvdtrain: rank (\d+) failed:")
+
+
+def _first_to_fail(found, text):
+    """mpirun names the first rank to exit, which may be one that stopped because another
+    rank failed (it exits at once; the failed one is still unwinding): then the rank whose
+    error line says it failed (an uncaught exception: status 1), else a `consequence`."""
+    if _STOPPED.format(found.rank) not in text:
+        return found
+    failed = {int(r) for r in _FAILED.findall(text)} - {found.rank}
+    if len(failed) == 1:
+        return Failure(failed.pop(), code=1)
+    found.consequence = True
     return found
 
 
@@ -192,7 +217,14 @@ def explain(failure, hosts=()):
         except ValueError:
             name = ""
         return f"{who} was killed by signal {code - 128}{name} first; the job was ended"
+    if failure.consequence:
+        return (
+            f"{who} exited first (exit status {code}), stopped because another rank ended or "
+            "failed: see the ranks' output above; the job was ended"
+        )
     meaning = EXIT_CODES.get(code, "see its output above")
+    if code in (2, 3, 4) and not failure.said:  # a script's own sys.exit(3) means its own
+        meaning = "see its output above"
     return f"{who} failed first: exit status {code} ({meaning}); the job was ended"
 
 
