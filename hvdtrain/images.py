@@ -50,7 +50,9 @@ def list_images(data_dir, test_fraction=0.1, seed=0):
                 f"Invalid value for `--data-dir`: class folder {folder} has no images."
             )
         files = [files[i] for i in rng.permutation(len(files))]
+        # At least one test image per class of two or more, unless none is asked for.
         held = max(1, round(len(files) * test_fraction)) if len(files) > 1 else 0
+        held = held if test_fraction > 0 else 0
         for split, part in ((test, files[:held]), (train, files[held:])):
             split[0].extend(part)
             split[1].extend([label] * len(part))
@@ -112,7 +114,9 @@ def main(argv=None):
     parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=5, batch_size=16, lr=1e-3)
     parser.add_argument("--data-dir", required=True, help="one sub-folder of images per class")
     parser.add_argument("--weights", help="local MobileNetV2 no-top weights file (.h5)")
-    parser.add_argument("--test-fraction", type=float, default=0.1, help="held out (0.1)")
+    parser.add_argument(
+        "--test-fraction", type=float, default=0.1, help="held out per class (0.1; 0: none)"
+    )
     frontends.add_keras_flag(parser)
 
     def run(argv):
@@ -130,7 +134,8 @@ def main(argv=None):
             else ("random initialisation (no --weights; ImageNet weights are not downloaded)")
         )
         data = ArrayData(
-            x, y, test, train_map=_augment, eval_map=_decode, source="data-dir",
+            x, y, test if len(test[0]) else None, train_map=_augment, eval_map=_decode,
+            source="data-dir",
             notice=f"{len(classes)} classes from {args.data_dir}; {where}",
         )  # fmt: skip
         from hvdtrain.trainer import fit

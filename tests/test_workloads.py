@@ -116,6 +116,17 @@ def _image_folder(root, per_class=6):
             (root / name / f"{i}.png").write_bytes(tf.io.encode_png(pixels).numpy())
 
 
+@pytest.mark.parametrize("fraction, held", [(0.2, 2), (0.01, 2), (0, 0)])
+def test_images_split_holds_out_a_share_of_each_class_and_none_at_0(fraction, held, tmp_path):
+    from hvdtrain.images import list_images
+
+    _image_folder(tmp_path / "pets")
+    (x, y), (xt, yt), classes = list_images(str(tmp_path / "pets"), fraction)
+    assert classes == ["cat", "dog"] and len(xt) == held and len(x) == 12 - held
+    assert sorted(yt.tolist()) == [0, 1][: held and 2]  # one of each class, when any
+    assert not set(x) & set(xt)
+
+
 @pytest.mark.parametrize("keras", ["3"])  # Keras 2's model: the test below builds it
 def test_images_transfer_learning_on_a_generated_folder(keras, shared_jobs, tmp_path):
     _image_folder(tmp_path / "pets")
