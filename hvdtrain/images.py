@@ -51,8 +51,8 @@ def list_images(data_dir, test_fraction=0.1, seed=0):
             )
         files = [files[i] for i in rng.permutation(len(files))]
         # At least one test image per class of two or more, unless none is asked for.
-        held = max(1, round(len(files) * test_fraction)) if len(files) > 1 else 0
-        held = held if test_fraction > 0 else 0
+        some = test_fraction > 0 and len(files) > 1
+        held = max(1, round(len(files) * test_fraction)) if some else 0
         for split, part in ((test, files[:held]), (train, files[held:])):
             split[0].extend(part)
             split[1].extend([label] * len(part))
