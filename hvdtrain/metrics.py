@@ -204,20 +204,10 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        results = global_results(self.model)
-        for name, value in results.items():
-            if name in logs and name != "samples":
-                logs[name] = value
         # What a train_step of the model's own returns besides its metrics (a GAN's losses as
-        # tensors: the epoch's last batch's): their mean over the ranks, for every rank alike.
-        others = {k: _scalar(v) for k, v in logs.items() if k not in results}
-        others = {k: v for k, v in others.items() if v is not None}
-        if hvd.size() > 1:  # on every rank, whatever its logs hold: a collective
-            gathered = hvd.allgather_object(others, name="hvdtrain.other_logs")
-            for k in others:
-                values = [g[k] for g in gathered if k in g]
-                if len(values) == len(gathered):
-                    logs[k] = float(np.mean(values))
+        # tensors: the epoch's last batch's) comes back as its mean over the ranks, for every
+        # rank alike, with the metrics in the same collective.
+        logs.update(global_results(self.model, keep=logs))
         if self.evaluate_fn is not None:
             result = self.evaluate_fn()
             logs.update({f"val_{k}": v for k, v in result.items() if k != "samples"})
