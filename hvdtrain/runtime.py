@@ -124,6 +124,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
         The GPU index used, or None on a CPU-only host.
     """
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
+    compat.horovod_as_graph_code()  # a faster first step: see there
     problem = gloo_hostname_problem(os.environ)
     if problem:  # before hvd.init(), where Gloo would crash without a word
         raise HvdtrainError(problem)

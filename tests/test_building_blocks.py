@@ -118,3 +118,38 @@ def test_divergence_stops_on_nan_infinite_or_blown_up_weights(lr, x, words):
         model.fit(*data, batch_size=4, callbacks=callbacks, verbose=0)
     assert str(caught.value).startswith(f"training diverged: {words}")
     assert "; stopped on every rank, no checkpoint written after it" in str(caught.value)
+
+
+def test_horovods_graph_code_is_traced_as_it_is_not_converted_by_autograph():
+    """After `hvdtrain.init()`, autograph leaves Horovod's functions alone, as it leaves
+    Keras's (they branch on tensors with tf.cond): no generated code for them, and the
+    allreduce inside a tf.function gives what it gave converted."""
+    import horovod.tensorflow as hvd
+    from tensorflow.python.autograph.pyct import transpiler
+
+    transformed = []
+    transform = transpiler.GenericTranspiler.transform_function
+
+    def watch(self, fn, user_context):
+        transformed.append(getattr(fn, "__module__", ""))
+        return transform(self, fn, user_context)
+
+    x = tf.constant([1.0, 2.0])
+    optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    variable = tf.Variable([1.0, 1.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(hvd.allreduce(variable * x))
+        grads = tape.gradient(loss, [variable])
+        optimizer.apply_gradients(zip(grads, [variable], strict=True))
+        return loss
+
+    transpiler.GenericTranspiler.transform_function = watch
+    try:
+        assert float(step()) == 3.0
+    finally:
+        transpiler.GenericTranspiler.transform_function = transform
+    assert variable.numpy().tolist() == pytest.approx([0.9, 0.8])
+    assert not [m for m in transformed if m.startswith("horovod.")], transformed
