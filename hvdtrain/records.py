@@ -32,6 +32,7 @@ one (tests/test_recipe.py); random augmentation inside `parse` is not replayed e
 import glob
 import hashlib
 import json
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -58,6 +59,21 @@ def _reader(reader, compression=None):
     return READERS[reader]
 
 
+def _unreadable(path, error, compression):
+    """Why TensorFlow could not read `path`, in a line: its op error without the function
+    and op names around it; a GZIP file read as plain says how to read it."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}|\[Op:\w+\]", "", error.message or "").strip()
+    reason = (text.splitlines() or [type(error).__name__])[0][:200]
+    try:
+        with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number
+    except OSError:
+        gzipped = False
+    if gzipped and not compression:
+        reason += '; it is GZIP-compressed: pass compression="GZIP" (hvdtrain.FileData)'
+    return reason
+
+
 def count_records(files, reader="tfrecord", compression=None):
     """The number of records in each file (read once, in TensorFlow)."""
     read = _reader(reader, compression)
@@ -66,8 +82,9 @@ def count_records(files, reader="tfrecord", compression=None):
         try:
             counts.append(int(read(path).reduce(np.int64(0), lambda n, _: n + 1).numpy()))
         except tf.errors.OpError as e:
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise HvdtrainError(f"Invalid data file {path}: cannot read it ({reason}).") from None
+            raise HvdtrainError(
+                f"Invalid data file {path}: cannot read it ({_unreadable(path, e, compression)})."
+            ) from None
     return counts
 
 

@@ -1,5 +1,5 @@
-"""Hostile files a job reads: MNIST's files (IDX, `.npz`), image folders, checkpoint folders
-and their manifests, model weights.
+"""Hostile files a job reads: MNIST's files (IDX, `.npz`), record files, image folders,
+checkpoint folders and their manifests, model weights.
 
 Properties (hypothesis), in this process: any file either gives something sane or raises
 `HvdtrainError` with a one-line message; nothing else escapes, nothing hangs
@@ -229,6 +229,33 @@ def snapshot(folder):
         for d, _, files in os.walk(folder)
         for f in files
     )
+
+
+def test_a_record_file_that_cannot_be_read_is_one_line_that_says_why(tmp_path):
+    """Counting a file's records: a GZIP TFRecord file read as plain says to pass
+    `compression="GZIP"` (and counts with it), a file that is not TFRecord names the record
+    TensorFlow stopped at; neither carries TensorFlow's function and op names."""
+    import tensorflow as tf
+
+    from hvdtrain.records import count_records
+
+    packed = str(tmp_path / "train-0.tfrecord")
+    with tf.io.TFRecordWriter(packed, options="GZIP") as w:
+        for i in range(3):
+            w.write(tf.train.Example().SerializeToString() + bytes([i]))
+    garbage = tmp_path / "train-1.tfrecord"
+    garbage.write_bytes(b"not a TFRecord file at all")
+    with pytest.raises(HvdtrainError) as gz:
+        count_records([packed])
+    with pytest.raises(HvdtrainError) as junk:
+        count_records([str(garbage)])
+    assert str(gz.value).startswith(f"Invalid data file {packed}: cannot read it (")
+    assert 'it is GZIP-compressed: pass compression="GZIP"' in str(gz.value)
+    assert "corrupted record at 0" in str(junk.value) and "GZIP" not in str(junk.value)
+    for said in (str(gz.value), str(junk.value)):
+        one_line(said)
+        assert "function_node" not in said and "[Op:" not in said, said
+    assert count_records([packed], compression="GZIP") == [3]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=SLOW_OK)
