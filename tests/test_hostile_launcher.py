@@ -309,6 +309,8 @@ CASES = [
     ("timeline", RUN + ["--timeline-filename", "", "true"], {}, [], 2, "timeline-filename", []),
     ("unknown-flag", RUN + ["--bogus", "true"], {}, [], 2, "unrecognized arguments", []),
     ("no-command", RUN, {}, [], 2, "no command to run", []),
+    ("no-program", RUN + ["-np", "2", "--backend", "mpi", "nosuch-program"], {}, [], 2,
+     "`command`: received 'nosuch-program'; expected a program on PATH", []),
     ("max-np", RUN + ["--elastic", "--max-np", "70000", "true"], {}, [], 2, "`--max-np`", []),
     ("min-np-alone", RUN + ["--min-np", "1", "true"], {}, [], 2, "needs --elastic", []),
     ("cooldown", RUN + ["--elastic", "--blacklist-cooldown-range", "20", "10", "true"], {}, [],

@@ -45,6 +45,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
 
@@ -345,6 +346,8 @@ def _launch(args):
     remote = _remote_hosts(config) if config.backend != "srun" else []
     if not spec and remote:
         _check_reachable(config, remote, hosts)
+    if not spec and not remote and config.backend != "srun":
+        _check_program(config, environ)
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
@@ -375,6 +378,16 @@ def _check_reachable(config, remote, rank_hosts):
         raise HostUnreachable(
             f"cannot reach {'; '.join(parts)}; nothing was started. Bring the host back or "
             "leave it out of the hosts, and check them with `hvdtrain-run doctor`"
+        )
+
+
+def _check_program(config, environ):
+    """The command's program is on this host, where every rank runs (mpirun would print a
+    page and exit 134 for one that is not; Gloo's ranks exit 127)."""
+    path = dict(config.exports).get("PATH") or environ.get("PATH", "")
+    if shutil.which(config.command[0], path=path) is None:
+        raise invalid_value(
+            "command", config.command[0], "a program on PATH, or a path to one, on this host"
         )
 
 
