@@ -423,6 +423,17 @@ def test_real_two_rank_job(backend):
     assert "rank 0 of 2" in proc.stdout and "rank 1 of 2" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_a_program_is_looked_up_where_the_ranks_look_for_it():
+    """The ranks' PATH has the launching Python's bin first: a program only there (the venv
+    not on this PATH) runs; one nowhere is one line before anything starts."""
+    proc = run("-np", "1", "--backend", "gloo", "--", "hvdtrain-run", "--help",
+               env=clean_env(), timeout=JOB_TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0 and "usage: hvdtrain-run" in proc.stdout, proc.stderr[-3000:]
+    line = one_line_error(run("-np", "1", "--backend", "gloo", "--", "nosuch-program"))
+    assert "received 'nosuch-program'; expected a program on PATH" in line
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["gloo", "mpirun"])
 def test_failing_rank_fails_the_launch(backend):

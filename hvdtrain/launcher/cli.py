@@ -347,7 +347,7 @@ def _launch(args):
     if not spec and remote:
         _check_reachable(config, remote, hosts)
     if not spec and not remote and config.backend != "srun":
-        _check_program(config, environ)
+        _check_program(config.command[0], {**environ, **env}.get("PATH", ""))
     if not args.quiet:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
@@ -381,14 +381,12 @@ def _check_reachable(config, remote, rank_hosts):
         )
 
 
-def _check_program(config, environ):
-    """The command's program is on this host, where every rank runs (mpirun would print a
-    page and exit 134 for one that is not; Gloo's ranks exit 127)."""
-    path = dict(config.exports).get("PATH") or environ.get("PATH", "")
-    if shutil.which(config.command[0], path=path) is None:
-        raise invalid_value(
-            "command", config.command[0], "a program on PATH, or a path to one, on this host"
-        )
+def _check_program(program, path):
+    """`program` is on `path`, the PATH the ranks get (the launching Python's bin first), on
+    this host where every rank runs: mpirun would print a page and exit 134 for one that is
+    not, Gloo's ranks exit 127."""
+    if shutil.which(program, path=path) is None:
+        raise invalid_value("command", program, "a program on PATH, or a path to one, on this host")
 
 
 def _own_names():
