@@ -120,7 +120,7 @@ def test_divergence_stops_on_nan_infinite_or_blown_up_weights(lr, x, words):
     assert "; stopped on every rank, no checkpoint written after it" in str(caught.value)
 
 
-def test_horovods_graph_code_is_traced_as_it_is_not_converted_by_autograph():
+def test_horovods_graph_code_is_traced_as_it_is_not_converted_by_autograph(monkeypatch):
     """After `hvdtrain.init()`, autograph leaves Horovod's functions alone, as it leaves
     Keras's (they branch on tensors with tf.cond): no generated code for them, and the
     allreduce inside a tf.function gives what it gave converted."""
@@ -146,10 +146,8 @@ def test_horovods_graph_code_is_traced_as_it_is_not_converted_by_autograph():
         optimizer.apply_gradients(zip(grads, [variable], strict=True))
         return loss
 
-    transpiler.GenericTranspiler.transform_function = watch
-    try:
-        assert float(step()) == 3.0
-    finally:
-        transpiler.GenericTranspiler.transform_function = transform
+    monkeypatch.setattr(transpiler.GenericTranspiler, "transform_function", watch)
+    assert float(step()) == 3.0
+    monkeypatch.undo()
     assert variable.numpy().tolist() == pytest.approx([0.9, 0.8])
     assert not [m for m in transformed if m.startswith("horovod.")], transformed

@@ -109,21 +109,26 @@ def test_the_token_is_masked_in_what_hvdtrain_run_prints():
     assert "0123abcd" not in line and "HOROVOD_GLOO_RENDEZVOUS_TOKEN" in line
 
 
+def _rank_processes(launcher):
+    """{process: its environment} for the ranks under `launcher` now: the processes that
+    hold the rendezvous variables (one may start, or end, between two calls)."""
+    found = {}
+    for p in launcher.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            env = p.environ()
+            if "HOROVOD_RANK" in env and "HOROVOD_GLOO_RENDEZVOUS_PORT" in env:
+                found[p] = env
+    return found
+
+
 def _ranks(launcher, count):
-    """The rank processes under `launcher` once `count` of them hold the rendezvous
-    variables, and those variables (polls the process tree; fails after 120 s)."""
+    """{pid: environment} of the rank processes under `launcher` once `count` of them hold
+    the rendezvous variables (polls the process tree; fails after 120 s)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        found = {}
-        for p in launcher.children(recursive=True):
-            try:
-                env = p.environ()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if "HOROVOD_RANK" in env and "HOROVOD_GLOO_RENDEZVOUS_PORT" in env:
-                found[p.pid] = env
+        found = _rank_processes(launcher)
         if len(found) == count:
-            return found
+            return {p.pid: env for p, env in found.items()}
         psutil.wait_procs([launcher], timeout=0.1)
     pytest.fail(f"the ranks of {launcher.pid} did not start")
 
@@ -207,14 +212,8 @@ def _listening(processes):
 
 
 def _services(launcher):
-    """The ports the ranks under `launcher` listen on on every interface (read afresh: a
-    rank's process may start, or end, between two polls)."""
-    ranks = []
-    for p in launcher.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            if "HOROVOD_RANK" in p.environ():
-                ranks.append(p)
-    return {a.port for a in _listening(ranks) if a.ip == "0.0.0.0"}
+    """The ports the ranks under `launcher` listen on on every interface."""
+    return {a.port for a in _listening(_rank_processes(launcher)) if a.ip == "0.0.0.0"}
 
 
 def _unsigned(port, key=None):
