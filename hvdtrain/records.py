@@ -62,8 +62,10 @@ def _reader(reader, compression=None):
 def _unreadable(path, error, compression):
     """Why TensorFlow could not read `path`, in a line: its op error without the function
     and op names around it; a GZIP file read as plain says how to read it."""
-    text = re.sub(r"\{\{function_node [^}]*\}\}|\[Op:\w+\]", "", error.message or "").strip()
-    reason = (text.splitlines() or [type(error).__name__])[0][:200]
+    text = re.sub(
+        r"\{\{function_node [^}]*\}\}|\[Op:\w+\](?: name: ?\S*)?", "", error.message or ""
+    )
+    reason = " ".join((text.strip().splitlines() or [type(error).__name__])[0].split())[:200]
     try:
         with open(path, "rb") as f:
             gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number
