@@ -60,6 +60,7 @@ def calibrate(runs=3):
 
 
 def run(pytest_args, folder):
+    folder = os.path.abspath(folder)  # the probe writes from processes in other folders
     os.makedirs(folder, exist_ok=True)
     log, xml = os.path.join(folder, "probe.jsonl"), os.path.join(folder, "junit.xml")
     if os.path.exists(log):
