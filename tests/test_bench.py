@@ -309,7 +309,8 @@ def _report(summary, rounds):
 
 
 def test_summary_efficiency_ratios_and_targets():
-    from hvdtrain.bench.report import markdown, summarize
+    from hvdtrain.bench.render import markdown
+    from hvdtrain.bench.report import summarize
 
     results = [
         _result("keras", 1, None, 1000, "plain"),
@@ -440,7 +441,8 @@ def test_thread_groups_split_a_process_cpu_time_by_thread():
 
 
 def test_old_and_new_stack_side_by_side():
-    from hvdtrain.bench.report import markdown, summarize
+    from hvdtrain.bench.render import markdown
+    from hvdtrain.bench.report import summarize
 
     def on(stack, results):
         for r in results:

@@ -17,7 +17,7 @@ import time
 
 from hvdtrain import tuning
 from hvdtrain.bench import project as project_mod
-from hvdtrain.bench import report
+from hvdtrain.bench import render, report
 from hvdtrain.bench.runner import INDEPENDENT, PACKAGE_ROOT, Run, execute, quiet_wait
 from hvdtrain.compat import LEGACY_KERAS, legacy_keras_needed
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
@@ -514,8 +514,8 @@ def run_benchmark(args):
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")
     with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(report.markdown(data))
-    report.plot(data, os.path.join(out, "bench.png"))
+        f.write(render.markdown(data))
+    render.plot(data, os.path.join(out, "bench.png"))
     _progress(f"done in {data['wall_seconds']:.0f} s: {out}/bench.json, bench.md, bench.png")
     failed = [r["name"] for r in records if not r["ok"]]
     if failed:
