@@ -17,10 +17,11 @@ second by one core, `numpy.copyto` of 64 MiB), the yardstick for a shared-memory
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
-from hvdtrain.bench.workers import MARKER, _bind, _median
+from hvdtrain.bench.workers import MARKER, _bind
 
 __all__ = ["main", "bus_bandwidth", "memcpy_bandwidth"]
 
@@ -43,7 +44,7 @@ def memcpy_bandwidth(nbytes=64 << 20, repeats=7):
         start = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
-    return nbytes / _median(times)
+    return nbytes / statistics.median(times)
 
 
 def _iterations(nbytes):
@@ -65,7 +66,7 @@ def _raw_mpi(comm, sizes):
             start = time.perf_counter()
             comm.Allreduce(buf, res)
             times.append(time.perf_counter() - start)
-        out[nbytes] = _median(times)
+        out[nbytes] = statistics.median(times)
     return out
 
 
@@ -110,7 +111,7 @@ def main(argv=None):
             start = time.perf_counter()
             reduce(tensor).numpy()
             times.append(time.perf_counter() - start)
-        seconds = _median(times)
+        seconds = statistics.median(times)
         if rank == 0:
             algbw, busbw = bus_bandwidth(nbytes, seconds, size)
             result = {

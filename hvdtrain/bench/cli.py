@@ -36,6 +36,7 @@ VARIANTS = ("keras", "hvdtrain", "hvdtrain-keras3", "baseline", "mwms")
 STACK_VARIANTS = ("keras", "hvdtrain")  # what `--compare-python` runs on the other stack
 # Steps per timed window: about half a second to two seconds on one core.
 STEPS = "mlp=256,convnet=16"
+JOB_TIMEOUT = 900  # seconds
 QUICK_STEPS = "mlp=32,convnet=4"
 
 # The tuning experiments behind hvdtrain's defaults (`hvdtrain.tuning`): each runs the
@@ -138,7 +139,6 @@ def _parser():
         help="another environment's python (e.g. .venv-tf2.15.1/bin/python): Keras and "
         "hvdtrain also run on that stack, interleaved with this one's jobs",
     )
-    p.add_argument("--timeout", type=float, default=900, help="seconds per job (900)")
     return p
 
 
@@ -474,7 +474,7 @@ def run_benchmark(args):
             run,
             os.path.join(out, "logs"),
             base,
-            args.timeout,
+            JOB_TIMEOUT,
             _show(run),
             quiet_seconds=args.quiet_wait,
             log=_progress,

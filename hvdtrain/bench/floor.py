@@ -60,6 +60,7 @@ STEPS_PER_CALL = 16
 CALLS = {"mlp": 60, "convnet": 4}  # per timed window: about 2.5 and 8 seconds on one core
 SECONDS_PER_STEP = {"mlp": 0.01, "convnet": 0.5}  # at batch 64: 4x this machine's one core
 WINDOWS = 5
+QUIET_WAIT = 20  # seconds, at most, that each job waits for other processes to leave the cores
 
 
 def decompose(ms, inside):
@@ -272,7 +273,6 @@ def _run(argv):
     p.add_argument("--model", choices=("mlp", "convnet"), default="mlp")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--quick", action="store_true", help="short windows, one round: a smoke run")
-    p.add_argument("--quiet-wait", type=float, default=20, help="seconds, at most, per job")
     p.add_argument("--exchange", choices=("none", "copy", "sync", "mpi", "horovod"),
                    help="worker mode: one rank of one job (what the ranks run)")  # fmt: skip
     p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
@@ -286,8 +286,9 @@ def _run(argv):
         args.calls = max(1, CALLS[args.model] // 15) if args.quick else CALLS[args.model]
     if args.exchange:
         return _worker(args.exchange, args.model, args.batch_size, args.calls)
+    quiet_wait = 0 if args.quick else QUIET_WAIT
     if args.quick:
-        args.rounds, args.quiet_wait = 1, 0
+        args.rounds = 1
     jobs, inside = {}, {}  # per job, round by round: ms per step; what was timed inside
     logs = os.path.join(os.path.abspath(args.out), "logs")
     for r in range(args.rounds):
@@ -298,7 +299,7 @@ def _run(argv):
             run = Run(f"floor-{job}-r{r}", "floor", np_, backend, worker_args)
             timeout = _timeout(args.model, args.batch_size, args.calls)
             record = execute(run, logs, dict(os.environ), timeout, lambda *_, **__: None,
-                             quiet_seconds=args.quiet_wait)  # fmt: skip
+                             quiet_seconds=quiet_wait)  # fmt: skip
             results = [x for x in record["results"] if x.get("kind") == "floor"]
             if not record["ok"] or len(results) != (2 if backend == INDEPENDENT else 1):
                 why = f"timed out after {timeout:.0f} s" if record["timed_out"] else "failed"

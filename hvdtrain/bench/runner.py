@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hvdtrain.bench.workers import CPU_MARKER, MARKER, result_key
+from hvdtrain.bench.workers import CPU_MARKER, MARKER, machine_busy_seconds, result_key
 from hvdtrain.launcher.commands import LaunchConfig, build_command
 from hvdtrain.launcher.hosts import local_hosts
 
@@ -147,22 +147,12 @@ def launch(run, python, environ, uid, ports=None):
 
 def cpu_busy(seconds=1.0):
     """The number of cores busy (0 .. cores) over `seconds`, from /proc/stat; None elsewhere."""
-
-    def sample():
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return sum(fields[:8]), idle
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except OSError:
-        return None
-    cores = os.cpu_count() or 1
-    dt = total1 - total0
-    return cores * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
+    start, before = time.monotonic(), machine_busy_seconds()
+    time.sleep(seconds)
+    after = machine_busy_seconds()
+    return (
+        None if before is None or after is None else (after - before) / (time.monotonic() - start)
+    )
 
 
 def quiet_wait(limit_seconds, busy_below=0.25, log=None):

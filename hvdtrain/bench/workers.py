@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 MARKER = "@@hvdbench "
+SAMPLES = 8192  # synthetic samples, the same on every rank and variant
 CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window, and by thread
 THREAD_GROUPS = ("main", "tensorflow", "horovod", "other")
 _HOROVOD_TIDS = set()  # the threads Horovod's init started (its background thread, MPI's)
@@ -105,10 +107,8 @@ def _parse(argv):
     p.add_argument("--batch-sizes", default="64", help="comma-separated per-rank batch sizes")
     p.add_argument("--steps", default="mlp=256,convnet=16", help="steps per window, per model")
     p.add_argument("--repeats", type=int, default=5, help="timed windows after the warm-up")
-    p.add_argument("--samples", type=int, default=8192, help="synthetic samples in all")
     p.add_argument("--steps-per-execution", type=int, help="override the variant's default")
     p.add_argument("--threads", type=int, help="hvdtrain: intra-op threads (default: its own)")
-    p.add_argument("--label", default="", help="recorded with each result")
     return p.parse_args(argv)
 
 
@@ -317,7 +317,12 @@ def _run_hvdtrain(args, model_name, batch, steps, x, y, files=False, keras_versi
         checks.append(time.perf_counter() - start)
     if keras_version == "3":
         keras.backend.clear_session()
-    return windows, options, model.count_params(), {"agreement_ms": 1000 * _median(checks)}
+    return (
+        windows,
+        options,
+        model.count_params(),
+        {"agreement_ms": 1000 * statistics.median(checks)},
+    )
 
 
 def _run_baseline(args, model_name, batch, steps, x, y):
@@ -381,12 +386,6 @@ def _run_keras(args, model_name, batch, steps, x, y, options):
     return windows, options, model.count_params()
 
 
-def _median(values):
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _init(variants, threads):
     """Starts what the variants need; returns (rank, size, backend, strategy)."""
     import tensorflow as tf
@@ -437,12 +436,12 @@ def main(argv=None):
     rank, size, backend, strategy = _init(variants, args.threads)
     if len(variants) > 1 and (size > 1 or strategy is not None):
         raise SystemExit("several variants share a process only at -np 1, without mwms")
-    x, y = synthetic_data(args.samples)
+    x, y = synthetic_data(SAMPLES)
     for variant in variants:
         for model_name in args.models.split(","):
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 steps = _steps_for(args.steps, model_name)
-                runs = [(args.label, None)]
+                runs = [("", None)]
                 if variant == "keras":  # plain, then with hvdtrain's compile options
                     from hvdtrain.tuning import compile_options
 
@@ -505,7 +504,7 @@ def _result(variant, label, size, backend, model_name, batch, steps, windows):
     import tensorflow as tf
 
     timed = [w[0] for w in windows[1:]]
-    seconds = _median(timed)
+    seconds = statistics.median(timed)
     return {
         "variant": variant,
         "label": label,
