@@ -36,8 +36,8 @@ VARIANTS = ("keras", "hvdtrain", "hvdtrain-keras3", "baseline", "mwms")
 STACK_VARIANTS = ("keras", "hvdtrain")  # what `--compare-python` runs on the other stack
 # Steps per timed window: about half a second to two seconds on one core.
 STEPS = "mlp=256,convnet=16"
-JOB_TIMEOUT = 900  # seconds
 QUICK_STEPS = "mlp=32,convnet=4"
+JOB_TIMEOUT = 900  # seconds a job may take
 
 # The tuning experiments behind hvdtrain's defaults (`hvdtrain.tuning`): each runs the
 # hvdtrain variant with one knob set and every other at hvdtrain's default, on the MLP at
