@@ -434,6 +434,38 @@ def test_a_program_is_looked_up_where_the_ranks_look_for_it():
     assert "received 'nosuch-program'; expected a program on PATH" in line
 
 
+def test_more_ranks_than_this_hosts_cores_is_a_warning_unless_the_hosts_are_given():
+    """`-np` above the cores with no hosts given: the job runs, after one warning line;
+    the same ranks asked for with -H, or with -q: no warning."""
+    from hvdtrain.launcher.cli import crowding_warning, parse_args
+
+    cores = len(os.sched_getaffinity(0))
+    n = str(cores + 1)
+    proc = run("-np", n, "--backend", "gloo", "--", sys.executable, "-c", "pass",
+               env=clean_env(), timeout=JOB_TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert warnings == [
+        f"hvdtrain-run: warning: {n} ranks on the {cores} cores of this host: they take turns "
+        f"on the cores, and a step waits for the slowest; -np {cores} gives each its own "
+        "core, and -H or --hostfile adds hosts"
+    ]
+    for given in (["-H", f"localhost:{n}"], ["-q"]):
+        proc = run("-np", n, *given, "--backend", "gloo", "--", sys.executable, "-c", "pass",
+                   env=clean_env(), timeout=JOB_TIMEOUT)  # fmt: skip
+        assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr[-3000:]
+    # Hosts from a hostfile or SLURM, or an elastic job, are the user's choice too (pure).
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "8"}
+    for argv, environ in (
+        (["-np", "8", "--hostfile", "hosts.txt"], {}),
+        (["-np", "8"], slurm),
+        (["--elastic", "--min-np", "2", "-np", "8", "-H", "a:4,b:4"], {}),
+        (["-np", "2"], {}),
+    ):
+        args = parse_args([*argv, "--", "python", "train.py"])
+        assert crowding_warning(args, 8 if "8" in argv else 2, environ, 2) is None, argv
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["gloo", "mpirun"])
 def test_failing_rank_fails_the_launch(backend):

@@ -250,6 +250,21 @@ def default_backend(hosts, in_allocation, mpirun, own_names=()):
     return "gloo"
 
 
+def crowding_warning(args, np, environ, cores):
+    """A warning when the hosts are this one by default (no -H, --hostfile or SLURM
+    allocation) and `np` ranks are more than its `cores` (pure): horovodrun starts them all
+    here without a word, and they take turns on the cores."""
+    if args.hosts or args.hostfile or args.elastic or detect_allocation(environ):
+        return None
+    if np <= cores:
+        return None
+    return (
+        f"{np} ranks on the {cores} cores of this host: they take turns on the cores, and a "
+        f"step waits for the slowest; -np {cores} gives each its own core, and -H or "
+        "--hostfile adds hosts"
+    )
+
+
 def make_config(args, environ):
     """Turns parsed `args` and the environment into a checked `LaunchConfig` (no processes).
 
@@ -349,6 +364,10 @@ def _launch(args):
     if not spec and not remote and config.backend != "srun":
         _check_program(config.command[0], {**environ, **env}.get("PATH", ""))
     if not args.quiet:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        crowded = crowding_warning(args, config.np, environ, cores or os.cpu_count() or 1)
+        if crowded:
+            print(f"{PROG}: warning: {crowded}", file=sys.stderr, flush=True)
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
         return run_command(argv, {**environ, **env}, hosts, elastic_spec=spec)
