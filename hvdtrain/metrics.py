@@ -7,6 +7,7 @@ metric keeps additive state (a total and a count, true and false positives, a co
 matrix); summing that state over the ranks gives the metric of all the data, exactly.
 """
 
+import warnings
 import weakref
 
 import horovod.tensorflow as hvd
@@ -129,7 +130,11 @@ def evaluate(model, dataset, callbacks=None):
     if dataset is not None:
         dataset, count = _counting(sized(dataset, count=_steps_per_execution(model) > 1))
         try:
-            returned = model.evaluate(dataset, verbose=0, callbacks=callbacks, return_dict=True)
+            with warnings.catch_warnings():
+                # Keras 3 warns "Your input ran out of data" on every rank when a dataset of
+                # unknown length ends; for an evaluation that is its end, not a shortfall.
+                warnings.filterwarnings("ignore", "Your input ran out of data")
+                returned = model.evaluate(dataset, verbose=0, callbacks=callbacks, return_dict=True)
         except ValueError as e:  # Keras' answer to a dataset without a single batch
             if "Empty logs" not in str(e):
                 raise

@@ -332,6 +332,26 @@ def test_evaluation_counts_samples_in_the_data_and_keeps_what_a_test_step_return
     assert got["samples"] == 10 and got["loss"] >= 0 and "last_batch" in got
 
 
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_evaluation_of_a_stream_of_unknown_length_ends_without_a_warning(version):
+    """A test set whose length TensorFlow does not know (lines of files, a filter) under
+    several steps per call: Keras 3 warned "Your input ran out of data" on every rank at its
+    end (a user's CSV test set); Keras 2 could not run it before hvdtrain counted it."""
+    import warnings
+
+    k = _keras(version)
+    model = k.Sequential([k.Input((2,)), k.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+    stream = hvdtrain.eval_dataset(np.ones((10, 2), "float32"), np.zeros(10, "float32"), 4, 0, 1)
+    stream = stream.unbatch().filter(lambda x, y: True).batch(4)
+    assert int(stream.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = hvdtrain.evaluate(model, stream)
+    assert got["samples"] == 10
+    assert not [str(w.message) for w in caught if "ran out of data" in str(w.message)]
+
+
 # -- ArrayData takes what Keras's fit takes (one process) ---------------------------------
 def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
     n = 10
