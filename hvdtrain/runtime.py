@@ -273,7 +273,7 @@ def agree(fn, *, root_only=False):
             if failed and len({m for _, m in failed}) == 1 and len(failed) == hvd.size():
                 message = failed[0][1]
             elif failed:
-                message = "; ".join(f"rank {r}: {m}" for r, m in failed)
+                message = "; ".join(f"rank {r}: {m.rstrip('.')}" for r, m in failed) + "."
     if message:
         raise HvdtrainError(message)
     return result

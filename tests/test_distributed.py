@@ -78,3 +78,26 @@ def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(tmp_path, shared_jo
         moved += float(np.abs(a[k]).sum())
     assert moved > 0
     assert os.path.getsize(one) > 0
+
+
+def test_set_up_errors_that_differ_by_rank_are_one_line_naming_each_rank(tmp_path, shared_jobs):
+    """`hvdtrain.agree`: every rank raises one error; where the ranks' messages differ (each
+    its own file, say), it names each rank's, one sentence."""
+    script = tmp_path / "errors.py"
+    script.write_text(
+        "import sys, hvdtrain, horovod.tensorflow as hvd\n"
+        "from hvdtrain.errors import HvdtrainError\n"
+        "hvdtrain.init()\n"
+        "def load():\n"
+        "    raise HvdtrainError(f'Invalid data file part-{hvd.rank()}: cannot read it.')\n"
+        "try:\n"
+        "    hvdtrain.agree(load)\n"
+        "except HvdtrainError as e:\n"
+        f"    open(f'{tmp_path}/rank{{hvd.rank()}}.txt', 'w').write(str(e))\n"
+    )
+    shared_jobs.get(2, "gloo").run_script([str(script)])
+    expected = (
+        "rank 0: Invalid data file part-0: cannot read it; "
+        "rank 1: Invalid data file part-1: cannot read it."
+    )
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [expected] * 2
