@@ -33,6 +33,7 @@ from hvdtrain.errors import report_uncaught  # noqa: E402
 # reaches every process the launcher starts). `hvdtrain.compat` explains a wrong Keras.
 if compat.legacy_keras_needed(compat.tensorflow_version()):
     os.environ.setdefault(compat.LEGACY_KERAS, "1")
+    compat.keras2_submodules()  # `from tensorflow.keras.x import y` after it, too
 # TensorFlow's start-up noise (oneDNN, CPU features, absl) off unless asked for: set
 # TF_CPP_MIN_LOG_LEVEL=0 to see it again. Errors still show. What TensorFlow 2.21 logs while
 # it loads, whatever the level, is left out of its import (`hvdtrain.startup`).
@@ -50,6 +51,7 @@ _EXPORTS = {
     "ArrayData": "data",
     "DatasetData": "data",
     "FileData": "records",
+    "BatchData": "batches",
     "Placement": "data",
     "shard_indices": "data",
     "steps_per_epoch": "data",

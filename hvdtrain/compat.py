@@ -101,6 +101,28 @@ def keras_problem(tf_version, has_tf_keras, keras_module, keras_version, legacy_
     return None
 
 
+def keras2_submodules():
+    """Points `from tensorflow.keras.x import y` at Keras 2 where TensorFlow was imported
+    before `import hvdtrain` set TF_USE_LEGACY_KERAS (the README's order: `import tensorflow
+    as tf`, then `import hvdtrain`). TensorFlow finds its `keras` submodules on the path it
+    chose at its import: Keras 3's then, so `from tensorflow.keras.preprocessing.image import
+    ImageDataGenerator` made `tf.keras` Keras 3's for the rest of the process. Changes
+    nothing where TensorFlow is not imported yet, or already reads Keras 2."""
+    tf = sys.modules.get("tensorflow")
+    path = getattr(tf, "__path__", None)
+    if path is None or os.environ.get(LEGACY_KERAS) != "1" or "tensorflow.keras" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("tf_keras")
+    if spec is None or spec.origin is None:
+        return False
+    keras2 = os.path.join(os.path.dirname(spec.origin), "api", "_v2")
+    keras3 = [p for p in path if p.replace(os.sep, "/").endswith("/keras/api/_v2")]
+    if keras2 in path or not keras3:
+        return False
+    path[:] = [keras2 if p in keras3 else p for p in path]
+    return True
+
+
 def require_keras2():
     """Raises `HvdtrainError` unless `tf.keras` is Keras 2 (a no-op once it passed)."""
     if getattr(require_keras2, "passed", False):

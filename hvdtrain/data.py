@@ -12,9 +12,11 @@ step), so a resume continues at the exact sample.
     hvdtrain.fit(build_model, hvdtrain.ArrayData(x, y, test=(xt, yt)))
     hvdtrain.fit(build_model, hvdtrain.DatasetData(make_dataset, num_samples=60000))
     hvdtrain.fit(build_model, hvdtrain.FileData("data/train-*.tfrecord", parse))  # files
+    hvdtrain.fit(build_model, py_dataset)       # a PyDataset, a Sequence, a generator
 
 with `make_dataset(rank, size, seed, epoch)` returning the rank's samples for one epoch
-(see `DatasetData`) and `FileData` in `hvdtrain.records` (TFRecord, any files, per-host).
+(see `DatasetData`), `FileData` in `hvdtrain.records` (TFRecord, any files, per-host) and
+`BatchData` in `hvdtrain.batches` (batches made in Python, as Keras's `fit` takes them).
 """
 
 import dataclasses
@@ -236,6 +238,7 @@ class Data:
     """
 
     source = "data"  # a short name for the metrics JSON
+    batch_size = None  # a batch size the data fixes itself (batches made in Python), or None
 
     def prepare(self, placement, seed=0):
         """Reads what it must (counts, file lists) and agrees with the other ranks."""
@@ -263,6 +266,15 @@ class Data:
 
     def eval_dataset(self, batch_size, placement):
         """This rank's share of the test set, each sample once over all ranks; or None."""
+        return None
+
+    def explain(self, error):
+        """A `HvdtrainError` saying what went wrong in reading the data, for an error that
+        training met; or None."""
+        return None
+
+    def loader_warning(self, placement):
+        """One line of warning about how the data is loaded on this host; or None."""
         return None
 
 
@@ -434,10 +446,18 @@ class DatasetData(Data):
 
 
 def as_data(data):
-    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays."""
+    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays, or batches made in
+    Python (a `PyDataset`, a `Sequence`, a generator or generator function: `BatchData`),
+    alone or as (train, test)."""
+    from hvdtrain import batches
+
     if isinstance(data, Data):
         return data
+    if batches.is_batches(data):
+        return batches.BatchData(data)
     if isinstance(data, tuple | list) and len(data) == 2:
+        if batches.is_batches(data[0]) and (data[1] is None or batches.is_batches(data[1])):
+            return batches.BatchData(*data)
         if all(isinstance(part, tuple | list) and len(part) == 2 for part in data):
             (x, y), test = data
             return ArrayData(x, y, test=test)
@@ -445,5 +465,7 @@ def as_data(data):
     raise invalid_value(
         "data",
         type(data).__name__,
-        "a hvdtrain.Data (ArrayData, DatasetData, FileData), (x, y) or ((x, y), (x_test, y_test))",
+        "a hvdtrain.Data (ArrayData, DatasetData, FileData, BatchData), (x, y), "
+        "((x, y), (x_test, y_test)), or a keras.utils.PyDataset, a Keras Sequence or a "
+        "generator (alone or as (train, test))",
     )

@@ -36,6 +36,7 @@ under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 
 """
 
 import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -56,6 +57,7 @@ from hvdtrain import (
     usercallbacks,
     watchdog,
 )
+from hvdtrain import batches as batchmod
 from hvdtrain import callbacks as cb
 from hvdtrain import data as datamod
 from hvdtrain.checkpoint import CheckpointManager
@@ -184,6 +186,7 @@ class Plan:
     place: datamod.Placement
     data: datamod.Data
     steps: int  # per epoch: whole accumulation cycles of micro-steps
+    batch_size: int  # per rank and step: --batch-size, or the data's own (`Data.batch_size`)
     global_batch: int
     warmup_steps: int
     start_step: int  # the global step training begins at
@@ -308,9 +311,12 @@ class Run:
         runtime.agree(lambda: data.prepare(p, cfg.seed))
         if first:
             self.log.info("data: %s", data.describe())
-        steps = data.steps_per_epoch(cfg.batch_size * cfg.accumulate, p)
+            if warning := data.loader_warning(p):
+                self.log.warning("%s", warning)
+        batch = data.batch_size or cfg.batch_size
+        steps = data.steps_per_epoch(batch * cfg.accumulate, p)
         steps *= cfg.accumulate  # whole accumulation cycles per epoch
-        global_batch = cfg.batch_size * p.size
+        global_batch = batch * p.size
         # Horovod: the LR scale and warmup follow the number of ranks.
         warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
         for schedule in b.optimizers.schedules.values():
@@ -327,7 +333,7 @@ class Run:
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
         watchdog.holding("set-up: preparing the test set")
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
-        self.plan = Plan(p, data, steps, global_batch, warmup_steps, start_step, test_ds)
+        self.plan = Plan(p, data, steps, batch, global_batch, warmup_steps, start_step, test_ds)
         return start_step
 
     def _check_outputs(self):
@@ -501,7 +507,7 @@ class Run:
             plan.place.size,
             where,
             steps,
-            cfg.batch_size,
+            plan.batch_size,
             plan.global_batch,
             f", {cfg.accumulate} accumulated" if cfg.accumulate > 1 else "",
             f"{self.lr_base():g}" if isinstance(self.lr_base(), float) else self.lr_base(),
@@ -519,7 +525,7 @@ class Run:
         def fit_(first, epochs, steps_this_epoch):
             # A dataset per call: Keras starts each `fit` at the dataset's first batch.
             train_ds = plan.data.train_dataset(
-                cfg.batch_size, plan.place, seed=cfg.seed, start_step=first, steps=steps,
+                plan.batch_size, plan.place, seed=cfg.seed, start_step=first, steps=steps,
                 epochs=epochs,
             )  # fmt: skip
             if one_epoch:
@@ -643,8 +649,9 @@ class Run:
             "resumed_from": self.resumed,
             "steps_per_epoch": plan.steps,
             "steps_per_execution": min(b.steps_per_execution, steps),
-            "batch_size": cfg.batch_size,
+            "batch_size": plan.batch_size,
             "global_batch_size": plan.global_batch,
+            "samples_per_epoch": plan.steps * plan.global_batch,
             "deterministic": cfg.deterministic,
             "accumulate": cfg.accumulate,
             "mixed_precision": b.policy,
@@ -772,8 +779,15 @@ def _float32_outputs(model, frontend):
 
 
 def _as_data(source, limit=None):
+    # A function that returns the data, called here; a generator function is the data, and
+    # so is a function that returns a generator (called again each epoch).
     if callable(source) and not isinstance(source, datamod.Data):
-        source = source()
+        if not batchmod.is_batches(source):
+            made = source()
+            if inspect.isgenerator(made):
+                made.close()
+                made = batchmod.BatchData(source)
+            source = made
     d = datamod.as_data(source)
     if limit:
         if not isinstance(d, datamod.ArrayData):
@@ -792,6 +806,9 @@ def _explained(error, rank, data=None):
     import tensorflow as tf
 
     text = str(error)
+    explained = data.explain(error) if data is not None else None
+    if explained is not None:
+        return explained
     if isinstance(error, tf.errors.FailedPreconditionError) and "expected to contain" in text:
         got = text.split("contained only", 1)[-1].strip().split(" ")[0]
         fn = getattr(getattr(data, "train_fn", None), "__name__", None) or "train_fn"

@@ -171,3 +171,21 @@ def test_tensorflow_imported_after_hvdtrain_is_quiet_unless_asked(tmp_path):
     assert not [line for line in proc.stderr.splitlines() if is_startup_noise(line)], proc.stderr
     assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "0"}, "not_imported_yet")
     assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "2"}, "os")  # imported
+
+
+def test_tensorflow_keras_submodules_are_keras2_when_tensorflow_came_first():
+    """The README's order (`import tensorflow as tf`, then `import hvdtrain`) and then the
+    common `from tensorflow.keras.preprocessing.image import ImageDataGenerator` made
+    `tf.keras` Keras 3's for the rest of the process (TensorFlow chose its submodules' path
+    before TF_USE_LEGACY_KERAS was set): Keras 2's deterministic set-up then failed."""
+    script = (
+        "import tensorflow as tf\nimport hvdtrain\n"
+        "from tensorflow.keras.preprocessing.image import ImageDataGenerator\n"
+        "print(tf.keras.Sequential.__module__, ImageDataGenerator.__module__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["tf_keras.src.engine.sequential",
+                                        "tf_keras.src.preprocessing.image"]  # fmt: skip

@@ -3,7 +3,8 @@ tests/workers/recipe.py (BatchNorm, dropout, a sigmoid output; arrays, TFRecord 
 tf.data pipeline), run as `horovodrun -np 2` under Gloo and MPI.
 
 - kill rank 1 mid-epoch, run the same command again: bitwise the weights of an
-  uninterrupted run, for arrays and for TFRecord files, and for the model in Keras 3;
+  uninterrupted run, for arrays, TFRecord files and a Keras `Sequence` / `PyDataset` with
+  augmentation drawn from np.random, on both Keras;
 - every record read exactly once per epoch across the ranks, equal steps, with files of
   uneven sizes: shared files and per-host files; a resume mid-epoch reads the same records;
 - a user script's mistakes: one line, exit 2, no traceback.
@@ -33,8 +34,9 @@ def files(tmp_path_factory):
 
 
 def train(backend, form, files, out, *extra, check=True, jobs=None):
-    """form: arrays, tfrecord, keras3 (arrays, the model in Keras 3) or keras3-tfrecord; in
-    a shared job of `jobs` where one is given."""
+    """form: arrays, tfrecord, batches (a Sequence), keras3 (arrays, the model in Keras 3),
+    keras3-tfrecord or keras3-batches (a PyDataset); in a shared job of `jobs` where one is
+    given."""
     if form.startswith("keras3"):
         form, extra = form.partition("-")[2] or "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
@@ -70,7 +72,14 @@ def uninterrupted(files, tmp_path_factory, shared_jobs):
 
 @pytest.mark.parametrize(  # every pair of backend, data form and Keras
     "backend, form",
-    [("gloo", "arrays"), ("mpi", "tfrecord"), ("gloo", "keras3-tfrecord"), ("mpi", "keras3")],
+    [
+        ("gloo", "arrays"),
+        ("mpi", "tfrecord"),
+        ("gloo", "keras3-tfrecord"),
+        ("mpi", "keras3"),
+        ("mpi", "batches"),
+        ("gloo", "keras3-batches"),
+    ],  # fmt: skip
 )
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     backend, form, files, uninterrupted, shared_jobs, tmp_path

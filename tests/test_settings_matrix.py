@@ -32,6 +32,7 @@ FORMS = {  # --data, the folder of its files, test samples over all ranks (per-h
     "files-fewer-than-ranks": ("tfrecord", "one-file"),
     "files-per-host": ("per-host", "hosts"),  # every rank on this host's files
     "files-per-two-hosts": ("per-host", "hosts"),  # one rank per host name (Gloo, 2 ranks)
+    "batches": ("batches", "shared"),  # a Sequence (Keras 2) or PyDataset (Keras 3)
 }
 FACTORS = {
     "data": [f"{form}{test}" for form in FORMS for test in ("+test", "")],
@@ -117,7 +118,7 @@ def test_the_cases_hold_every_allowed_pair_of_values():
             if _allowed(dict(zip((a, b), pair, strict=True))):
                 assert ((a, pair[0]), (b, pair[1])) in seen, (a, b, pair)
     assert all(_allowed(c) for c in CASES)
-    assert len(CASES) <= 27  # about 12 s each: the matrix's share of `make test`
+    assert len(CASES) <= 31  # about 12 s each: the matrix's share of `make test`
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,10 @@ own data, in one of hvdtrain's forms.
 --data arrays: numpy arrays; tfrecord: DIR/train-*.tfrecord and DIR/test-*.tfrecord (written
 by `write_tfrecords`); per-host: DIR/<host>/train-*.tfrecord and test-*.tfrecord on each
 host; dataset: a tf.data pipeline made per rank and epoch, its test set read from
-DIR/test-*.tfrecord (a stream of unknown length). --no-test: no test set. --then-epochs N:
-once trained, `fit` again to N epochs in the same process (it resumes from --checkpoint-dir).
+DIR/test-*.tfrecord (a stream of unknown length); batches: a Keras `Sequence` (Keras 2) or
+`PyDataset` (Keras 3) of --batch-size, with noise drawn from np.random as augmentation.
+--no-test: no test set. --then-epochs N: once trained, `fit` again to N epochs in the same
+process (it resumes from --checkpoint-dir).
 --keras 3: the same model in Keras 3 (`import keras`). --own-train-step: the same layers in
 a model class with its own train_step (the Keras guide "Customizing what happens in fit()").
 --kill-at N: rank 1 SIGKILLs itself after global step N;
@@ -211,8 +213,36 @@ class FillDisk(tf.keras.callbacks.Callback):
             print("rank 0: the disk is full", flush=True)
 
 
+def batches(args, x, y):
+    """A Sequence (Keras 2) or PyDataset (Keras 3) as Keras's guides write them."""
+    if args.keras == "3":
+        import keras
+
+        base = keras.utils.PyDataset
+    else:
+        base = tf.keras.utils.Sequence
+
+    class Batches(base):
+        def __init__(self, x, y, batch):
+            super().__init__()
+            self.x, self.y, self.batch = x, y, batch
+
+        def __len__(self):
+            return -(-len(self.x) // self.batch)
+
+        def __getitem__(self, i):
+            x = self.x[i * self.batch : (i + 1) * self.batch]
+            noise = np.random.normal(0, 0.05, size=x.shape).astype("float32")  # augmentation
+            return x + noise, self.y[i * self.batch : (i + 1) * self.batch]
+
+    return Batches(x, y, args.batch_size)
+
+
 def make_data(args):
     tested = not args.no_test
+    if args.data == "batches":
+        test = batches(args, *arrays(101, 1)) if tested else None
+        return hvdtrain.BatchData(batches(args, *arrays(600, 0)), test=test)
     if args.data == "arrays":
         return hvdtrain.ArrayData(*arrays(600, 0), test=arrays(101, 1) if tested else None)
     if args.data == "tfrecord":
@@ -249,7 +279,7 @@ def make_data(args):
 def main():
     parser = hvdtrain.ArgumentParser(description=__doc__, epochs=3, batch_size=16)
     parser.add_argument(
-        "--data", choices=["arrays", "tfrecord", "per-host", "dataset"], default="arrays"
+        "--data", choices=["arrays", "tfrecord", "per-host", "dataset", "batches"], default="arrays"
     )
     parser.add_argument("--files", help="the TFRecord folder")
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 dies after this step")
