@@ -17,6 +17,7 @@ MODULES = {  # the order and titles of the API page's sections
     "flags": "Flags",
     "data": "Data",
     "records": "Data in files",
+    "batches": "Batches made in Python",
     "mnist_data": "MNIST",
     "runtime": "Set-up",
     "errors": "Errors",

@@ -378,9 +378,11 @@ class BatchData(Data):
             batches (one pass) and takes `len // ranks` of an indexed dataset.
         shuffle: the batch order of an indexed dataset drawn anew each epoch (as Keras's
             `fit(shuffle=True)`), the same on every rank.
-        workers, use_multiprocessing, max_queue_size: loading of an indexed dataset on each
-            rank, as Keras's; None takes the `PyDataset`'s own (1, False, 10 for a
-            `Sequence`).
+        workers: threads or processes loading an indexed dataset's batches on each rank, as
+            Keras's; None takes the `PyDataset`'s own (1 for a `Sequence`).
+        use_multiprocessing: processes (forked each epoch) rather than threads; None takes
+            the `PyDataset`'s own (False for a `Sequence`).
+        max_queue_size: batches loaded ahead; None takes the `PyDataset`'s own (10).
         source: a short name for the metrics JSON.
     """
 
@@ -521,17 +523,18 @@ class BatchData(Data):
         return {"count": n, "batch_size": _batch_size(first), "signature": signature}
 
     def describe(self):
-        name, p_size = self.train.name, self._full // self._steps
+        name, size = self.train.name, self._full // self._steps
         if isinstance(self.train, _Indexed):
-            left = self._batches - self._steps * p_size
-            text = (
-                f"{name}: {self._batches} batches of {self.batch_size}, {self._steps} per rank "
-                f"and epoch, {left} left out each epoch"
+            left = self._batches - self._steps * size
+            return (
+                f"{name}: {self._batches} batches of {self.batch_size} (the data's batch size), "
+                f"{self._steps} per rank and epoch, {left} left out each epoch"
             )
-        else:
-            counted = "" if self.given_steps else ", counted"
-            text = f"{name}: {self._steps} batches of {self.batch_size} per rank and epoch{counted}"
-        return text + " (the batch size is the data's: --batch-size is not used to train)"
+        counted = "" if self.given_steps else ", counted"
+        return (
+            f"{name}: {self._steps} batches of {self.batch_size} (the data's batch size) per "
+            f"rank and epoch{counted}"
+        )
 
     @property
     def num_samples(self):

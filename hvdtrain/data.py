@@ -38,7 +38,6 @@ __all__ = [
     "Data",
     "ArrayData",
     "DatasetData",
-    "as_data",
     "chain",
     "pack",
     "structure",
@@ -443,29 +442,3 @@ class DatasetData(Data):
         if self.test_fn is None:
             return None
         return self.test_fn(placement.rank, placement.size).batch(batch_size)
-
-
-def as_data(data):
-    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays, or batches made in
-    Python (a `PyDataset`, a `Sequence`, a generator or generator function: `BatchData`),
-    alone or as (train, test)."""
-    from hvdtrain import batches
-
-    if isinstance(data, Data):
-        return data
-    if batches.is_batches(data):
-        return batches.BatchData(data)
-    if isinstance(data, tuple | list) and len(data) == 2:
-        if batches.is_batches(data[0]) and (data[1] is None or batches.is_batches(data[1])):
-            return batches.BatchData(*data)
-        if all(isinstance(part, tuple | list) and len(part) == 2 for part in data):
-            (x, y), test = data
-            return ArrayData(x, y, test=test)
-        return ArrayData(*data)
-    raise invalid_value(
-        "data",
-        type(data).__name__,
-        "a hvdtrain.Data (ArrayData, DatasetData, FileData, BatchData), (x, y), "
-        "((x, y), (x_test, y_test)), or a keras.utils.PyDataset, a Keras Sequence or a "
-        "generator (alone or as (train, test))",
-    )

@@ -127,6 +127,8 @@ def evaluate(model, dataset, callbacks=None):
     """
     model.reset_metrics()
     returned, count = {}, None
+    if dataset is not None and int(dataset.cardinality()) == 0:  # fewer batches than ranks
+        dataset = None
     if dataset is not None:
         dataset, count = _counting(sized(dataset, count=_steps_per_execution(model) > 1))
         try:
@@ -135,8 +137,8 @@ def evaluate(model, dataset, callbacks=None):
                 # unknown length ends; for an evaluation that is its end, not a shortfall.
                 warnings.filterwarnings("ignore", "Your input ran out of data")
                 returned = model.evaluate(dataset, verbose=0, callbacks=callbacks, return_dict=True)
-        except ValueError as e:  # Keras' answer to a dataset without a single batch
-            if "Empty logs" not in str(e):
+        except ValueError as e:  # Keras' answers to a dataset without a single batch
+            if "Empty logs" not in str(e) and "Expected input data to be non-empty" not in str(e):
                 raise
     samples = 0 if count is None else int(count.numpy())
     results = global_results(model, keep=returned, samples=samples)

@@ -788,12 +788,36 @@ def _as_data(source, limit=None):
                 made.close()
                 made = batchmod.BatchData(source)
             source = made
-    d = datamod.as_data(source)
+    d = _data_of(source)
     if limit:
         if not isinstance(d, datamod.ArrayData):
             raise invalid_value("--limit-samples", limit, "no value: it limits in-memory arrays")
         d = d.limit(limit)
     return d
+
+
+def _data_of(data):
+    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays, or batches made in
+    Python (a `PyDataset`, a `Sequence`, a generator or generator function: `BatchData`),
+    alone or as (train, test)."""
+    if isinstance(data, datamod.Data):
+        return data
+    if batchmod.is_batches(data):
+        return batchmod.BatchData(data)
+    if isinstance(data, tuple | list) and len(data) == 2:
+        if batchmod.is_batches(data[0]) and (data[1] is None or batchmod.is_batches(data[1])):
+            return batchmod.BatchData(*data)
+        if all(isinstance(part, tuple | list) and len(part) == 2 for part in data):
+            (x, y), test = data
+            return datamod.ArrayData(x, y, test=test)
+        return datamod.ArrayData(*data)
+    raise invalid_value(
+        "data",
+        type(data).__name__,
+        "a hvdtrain.Data (ArrayData, DatasetData, FileData, BatchData), (x, y), "
+        "((x, y), (x_test, y_test)), or a keras.utils.PyDataset, a Keras Sequence or a "
+        "generator (alone or as (train, test))",
+    )
 
 
 def _reason(error):

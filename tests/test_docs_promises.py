@@ -61,10 +61,28 @@ def _readme_data(folder):
     _tfrecords(folder / "data", "test", [100], 1)
 
 
+def _images(folder):
+    """PNG digits in class folders, as your-model.md's `Images` reads them: a bright row per
+    class (learnable), 200 to train (a short last batch) and 50 to test."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 200), ("test", 50)):
+        for i in range(n):
+            label = int(rng.integers(0, 10))
+            pixels = rng.integers(0, 30, (28, 28))
+            pixels[label] = 255
+            os.makedirs(folder / "images" / split / str(label), exist_ok=True)
+            Image.fromarray(pixels.astype("uint8")).save(
+                folder / "images" / split / str(label) / f"{i}.png"
+            )
+
+
 # The whole scripts: where they are, what they need in their folder, the flags of a short run.
 RUNNABLE = {
     "README.md#0": (_readme_data, ["--epochs", "1", "--checkpoint-dir", "ck"]),
     "docs/your-model.md#0": (None, ["--epochs", "1", "--checkpoint-dir", "ck"]),
+    "docs/your-model.md#3": (_images, ["--epochs", "1", "--checkpoint-dir", "ck"]),
     "docs/keras3.md#0": (None, ["--epochs", "1", "--checkpoint-dir", "ck"]),
 }
 
