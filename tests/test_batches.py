@@ -7,12 +7,12 @@ exact. Bitwise resume after a kill: tests/test_recipe.py (`batches`); every othe
 tests/test_settings_matrix.py (`batches`)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import run_job, worker
+from helpers.image_folders import class_folders
 
 import hvdtrain
 from hvdtrain.batches import BatchData
@@ -262,17 +262,7 @@ def test_a_generator_that_ends_early_says_how_many_batches_the_epoch_needs():
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """Small JPEGs in class folders: 80 to train, 22 to test."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 40), ("test", 11)):
-        for label, level in (("cats", 0), ("dogs", 150)):
-            os.makedirs(root / split / label)
-            for i in range(n):
-                pixels = rng.integers(0, 80, (16, 16, 3)) + level
-                Image.fromarray(pixels.astype("uint8")).save(root / split / label / f"{i}.jpg")
-    return root
+    return class_folders(tmp_path_factory.mktemp("images"), {"train": 40, "test": 11})
 
 
 def _loads(out, rank):

@@ -532,3 +532,15 @@ def test_floor_rejects_bad_counts_before_starting(capsys):
         assert done.value.code == 2
         err = capsys.readouterr().err
         assert "Invalid value for `--" in err and "Traceback" not in err
+
+
+def test_the_loading_benchmark_compares_each_job_with_plain_keras():
+    from hvdtrain.bench import loading
+
+    assert loading.command("keras-1", 1, False)[1:4] == ["-m", "hvdtrain.bench.loading", "--job"]
+    assert loading.command("pydataset-2", 2, True)[:6] == ["horovodrun", "--gloo", "-np", "2",
+                                                         "-H", "localhost:2"]  # fmt: skip
+    assert loading.figure([100.0, 8.0, 10.0, 12.0]) == 10.0  # the first epoch left out
+    table = loading.markdown({"keras-1": [10, 10], "pydataset-2": [12, 13], "arrays-2": [20, 20]},
+                             "python -m hvdtrain.bench.loading")  # fmt: skip
+    assert "| pydataset-2 | 12, 13 | 12 | 1.25 |" in table

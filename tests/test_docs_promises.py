@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import BIN, ROOT, job_env, launch_argv
+from helpers.image_folders import class_folders
 
 import hvdtrain
 from hvdtrain import errors
@@ -62,20 +63,10 @@ def _readme_data(folder):
 
 
 def _images(folder):
-    """PNG digits in class folders, as your-model.md's `Images` reads them: a bright row per
-    class (learnable), 200 to train (a short last batch) and 50 to test."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 200), ("test", 50)):
-        for i in range(n):
-            label = int(rng.integers(0, 10))
-            pixels = rng.integers(0, 30, (28, 28))
-            pixels[label] = 255
-            os.makedirs(folder / "images" / split / str(label), exist_ok=True)
-            Image.fromarray(pixels.astype("uint8")).save(
-                folder / "images" / split / str(label) / f"{i}.png"
-            )
+    """PNG digits in class folders, as your-model.md's `Images` reads them: 10 classes, 20
+    images each to train (a short last batch) and 5 to test."""
+    class_folders(folder / "images", {"train": 20, "test": 5}, classes=10, side=28, channels=1,
+                  ext="png")  # fmt: skip
 
 
 # The whole scripts: where they are, what they need in their folder, the flags of a short run.

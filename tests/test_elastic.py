@@ -410,17 +410,18 @@ def test_a_worker_that_joined_finishes_alone_with_the_whole_jobs_record(keras, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("keras", ["2", "3"])
-def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(keras, tmp_path, jobs):
-    """A user's script (tests/workers/recipe.py: its own model and data) through
-    `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1 stops making progress
-    mid-epoch; its watchdog ends it after the stall time, and rank 0 goes on alone from the
-    last commit."""
+@pytest.mark.parametrize("keras, data", [("2", "arrays"), ("3", "batches")])
+def test_elastic_recipe_of_a_users_script_with_the_watchdog_on(keras, data, tmp_path, jobs):
+    """A user's script (tests/workers/recipe.py: its own model and data, arrays or a Keras 3
+    `PyDataset`) through `hvdtrain.fit(elastic=True)`, several steps per execution: rank 1
+    stops making progress mid-epoch; its watchdog ends it after the stall time, and rank 0
+    goes on alone from the last commit (a `PyDataset` then sharded over 1 rank)."""
     metrics = tmp_path / "m.json"
     job = Job(
         ["--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--", sys.executable,
          worker("recipe.py"), "--elastic", "--epochs", "3", "--commit-every", "5",
-         "--stall-at", "20", "--threads", "1", "--metrics-json", str(metrics), "--keras", keras],
+         "--stall-at", "20", "--threads", "1", "--metrics-json", str(metrics), "--keras", keras,
+         "--data", data],
         marker=str(metrics),
         HVDTRAIN_STALL_SHUTDOWN_SECONDS="5",
     )  # fmt: skip

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from conftest import ROOT, ours, run_job
+from helpers.image_folders import class_folders
 
 EXAMPLES = os.path.join(ROOT, "examples")
 LAUNCH_COMMANDS = [
@@ -166,3 +167,20 @@ def test_gan_example_trains_both_optimizers_on_two_ranks(keras, backend, shared_
     assert {k: v["iterations"] for k, v in m["optimizers"].items()} == {
         "optimizer": 0, "d_optimizer": 5, "g_optimizer": 5}  # fmt: skip
     assert (ckpt / "samples.png").stat().st_size > 0 and (ckpt / "model.weights.h5").exists()
+
+
+@pytest.mark.slow
+def test_the_imagenet_example_trains_resnet50_on_a_folder_of_images(tmp_path):
+    """Horovod's keras_imagenet_resnet50.py loading through hvdtrain.fit: every image of the
+    epoch trained once and every test image evaluated once, at -np 2 (about 75 s here)."""
+    folder = class_folders(tmp_path / "images", {"train": 40, "test": 11}, side=32)
+    metrics = tmp_path / "m.json"
+    proc = run_job(2, "gloo", [os.path.join(EXAMPLES, "imagenet_resnet50.py"),
+                               "--train-dir", folder / "train", "--val-dir", folder / "test",
+                               "--image-size", "32", "--epochs", "1", "--batch-size", "8",
+                               "--eval-batch-size", "8", "--loader-workers", "1",
+                               "--metrics-json", metrics], timeout=400)  # fmt: skip
+    assert "Traceback" not in proc.stdout + proc.stderr
+    m = json.loads(metrics.read_text())
+    assert m["steps_per_epoch"] == 5 and m["samples_per_epoch"] == 80
+    assert m["test_samples"] == 22 and len({r["weights_digest"] for r in m["ranks"]}) == 1
