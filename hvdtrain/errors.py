@@ -4,7 +4,6 @@ import atexit
 import os
 import socket
 import sys
-import time
 
 __all__ = [
     "HvdtrainError",
@@ -120,22 +119,47 @@ def write_line(text, stream=None):
 
 def exit_with_error(prog, error, code=None):
     """Prints `error` once (see `HvdtrainError.every_rank`) and exits with `code` (default:
-    the error's `exit_code`, else 2)."""
+    the error's `exit_code`, else 2).
+
+    A mistake every rank makes is printed by rank 0, which may reach it last (a slower
+    import, a loaded host): and `mpirun` and `horovodrun` end the whole job as soon as one
+    rank exits non-zero, which killed rank 0 before its line was out. So the other ranks
+    leave after rank 0 has written it: once Horovod runs, all ranks meet in one last
+    collective after rank 0's line (`_after_rank_0s_line`); before `hvd.init()` there is no
+    way to meet, and they exit with status 0, leaving the job's status to rank 0's."""
     if code is None:
         code = getattr(error, "exit_code", 2)
-    rank = env_rank()
-    if rank == 0 or not getattr(error, "every_rank", True):
+    rank, every_rank = env_rank(), getattr(error, "every_rank", True)
+    if rank == 0 or not every_rank:
         where = f" [rank {rank}]" if rank else ""
         write_line(f"{prog}{where}: error: {error}")
-    elif _env_size() > 1:
-        # The others leave the printing to rank 0, and give it time to: mpirun and
-        # horovodrun end the whole job as soon as one rank exits non-zero, which could
-        # kill rank 0 before its line is out (seen on a loaded machine).
-        time.sleep(_QUIET_RANK_GRACE)
+    if every_rank and _env_size() > 1 and not _after_rank_0s_line() and rank != 0:
+        code = 0
     sys.exit(code)
 
 
-_QUIET_RANK_GRACE = 3.0  # seconds
+_LAST_MEETING_SECONDS = 120  # a rank that never comes (it failed otherwise) is not awaited
+
+
+def _after_rank_0s_line():
+    """Where Horovod runs in this process: every rank meets the others in one collective
+    (rank 0 after writing its line) and True; else False. A rank that never comes is
+    awaited `_LAST_MEETING_SECONDS` at most."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None or not hvd.is_initialized() or hvd.size() < 2:
+        return False
+    import threading
+
+    def meet():
+        try:
+            hvd.allreduce(sys.modules["tensorflow"].constant(0), name="hvdtrain.error_line")
+        except Exception:  # noqa: BLE001 (a rank that ended: nothing left to wait for)
+            pass
+
+    meeting = threading.Thread(target=meet, daemon=True)
+    meeting.start()
+    meeting.join(_LAST_MEETING_SECONDS)
+    return True
 
 
 def _env_size():

@@ -313,10 +313,10 @@ class Run:
             self.log.info("data: %s", data.describe())
             if warning := data.loader_warning(p):
                 self.log.warning("%s", warning)
-        batch = data.batch_size or cfg.batch_size
-        steps = data.steps_per_epoch(batch * cfg.accumulate, p)
+        per_rank = data.batch_size or cfg.batch_size  # the data's own batch, if it has one
+        steps = data.steps_per_epoch(per_rank * cfg.accumulate, p)
         steps *= cfg.accumulate  # whole accumulation cycles per epoch
-        global_batch = batch * p.size
+        global_batch = per_rank * p.size
         # Horovod: the LR scale and warmup follow the number of ranks.
         warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
         for schedule in b.optimizers.schedules.values():
@@ -333,7 +333,7 @@ class Run:
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
         watchdog.holding("set-up: preparing the test set")
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
-        self.plan = Plan(p, data, steps, batch, global_batch, warmup_steps, start_step, test_ds)
+        self.plan = Plan(p, data, steps, per_rank, global_batch, warmup_steps, start_step, test_ds)
         return start_step
 
     def _check_outputs(self):
