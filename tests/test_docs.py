@@ -131,3 +131,14 @@ def test_python_on_the_pages_uses_real_names_and_keywords(where, code):
             signature.bind_partial(*node.args, **{k.arg: None for k in node.keywords})
         except TypeError as e:
             pytest.fail(f"{where}: hvdtrain.{node.func.attr}{signature}: {e}")
+
+
+def test_the_measurements_page_reads_as_a_table():
+    """Rows short enough for a table (details go to a page section linked from the row), and
+    no folder of the machine they were measured on."""
+    path = os.path.join(ROOT, "docs", "measurements.md")
+    rows = [line for line in open(path).read().splitlines() if line.startswith("| 20")]
+    assert len(rows) > 10
+    for row in rows:
+        assert len(row) < 600, row[:200]
+        assert not re.search(r"/tmp/|/root/|/work/|/home/", row), row[:200]
