@@ -219,9 +219,13 @@ BAD = {  # what the data does wrong -> words the one line must hold
 }
 
 
+@pytest.mark.parametrize("version", ["2", "3"])
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_batches_are_one_line_naming_the_batch(case):
-    class Ids(tf.keras.utils.Sequence):
+def test_bad_batches_are_one_line_naming_the_batch(case, version):
+    k = _keras(version)
+    base = tf.keras.utils.Sequence if version == "2" else k.utils.PyDataset
+
+    class Ids(base):
         def __len__(self):
             return 0 if case == "empty" else 6
 
@@ -240,7 +244,7 @@ def test_bad_batches_are_one_line_naming_the_batch(case):
             return x, y
 
     with pytest.raises(HvdtrainError) as e:
-        hvdtrain.fit(lambda: _model(tf.keras), Ids(), epochs=1)
+        hvdtrain.fit(lambda: _model(k), Ids(), epochs=1)
     first, fix = BAD[case]
     assert first in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert fix is None or fix in str(e.value)
