@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.data import Data
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
 
 __all__ = ["BatchData", "is_batches"]
 
@@ -102,7 +102,7 @@ def _standard(batch):
         batch = tuple(batch)
     if isinstance(batch, dict) or (isinstance(batch, tuple) and 1 <= len(batch) <= 3):
         return tf.nest.map_structure(lambda a: a if a is None else np.asarray(a), _tuples(batch))
-    got = f"a tuple of {len(batch)}" if isinstance(batch, tuple) else f"a {type(batch).__name__}"
+    got = f"a tuple of {len(batch)}" if isinstance(batch, tuple) else kind_of(batch)
     raise HvdtrainError(
         f"expected a tuple (x,), (x, y) or (x, y, sample_weight), or a dict; received {got}"
     )

@@ -27,7 +27,7 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
 
 __all__ = [
     "shard_indices",
@@ -424,7 +424,7 @@ class DatasetData(Data):
             ds = self.train_fn(placement.rank, placement.size, seed, epoch)
             if not isinstance(ds, tf.data.Dataset):
                 raise HvdtrainError(
-                    f"Invalid value for `train_fn`: it returned a {type(ds).__name__}; expected "
+                    f"Invalid value for `train_fn`: it returned {kind_of(ds)}; expected "
                     "a tf.data.Dataset of samples."
                 )
             # Fewer samples than the steps need: an error on this rank, not a hang.

@@ -11,6 +11,7 @@ __all__ = [
     "OutputsNotWritten",
     "HostUnreachable",
     "invalid_value",
+    "kind_of",
     "one_line",
     "env_rank",
     "exit_with_error",
@@ -92,6 +93,12 @@ class HostUnreachable(HvdtrainError):
     started. Exit status 5."""
 
     exit_code = 5
+
+
+def kind_of(value):
+    """`value`'s type name with its article: "an Intracomm", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def invalid_value(name, received, expected):

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain import compat, stall, tuning
-from hvdtrain.errors import HvdtrainError, note_ending, write_line
+from hvdtrain.errors import HvdtrainError, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 
 __all__ = [
@@ -136,7 +136,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     _name_failures(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
-            f"Invalid value for `comm`: received a {type(comm).__name__} while Horovod runs on "
+            f"Invalid value for `comm`: received {kind_of(comm)} while Horovod runs on "
             "Gloo, which ignores it; expected None. Launch with `mpirun` or `horovodrun --mpi` "
             "to train on a communicator."
         )

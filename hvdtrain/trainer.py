@@ -38,6 +38,7 @@ under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 
 import dataclasses
 import inspect
 import os
+import re
 import sys
 import time
 
@@ -407,6 +408,14 @@ class Run:
                 step // steps + 1,
                 step % steps,
             )
+        if step >= self.cfg.epochs * steps:  # nothing left to train: no epoch to resume at
+            self.log.info(
+                "the checkpoint in %s is after epoch %d: all %d epoch(s) trained",
+                manager.directory,
+                step // steps,
+                self.cfg.epochs,
+            )
+            return step
         self.log.info(
             "resuming at epoch %d, step %d of %d (global step %d) from %s",
             step // steps + 1,
@@ -833,14 +842,16 @@ def _explained(error, rank, data=None):
     explained = data.explain(error) if data is not None else None
     if explained is not None:
         return explained
-    if isinstance(error, tf.errors.FailedPreconditionError) and "expected to contain" in text:
-        got = text.split("contained only", 1)[-1].strip().split(" ")[0]
+    counts = re.search(r"expected to contain (\d+) elements? but contained only (\d+)", text)
+    if isinstance(error, tf.errors.FailedPreconditionError) and counts:
+        need, got = counts.groups()
         fn = getattr(getattr(data, "train_fn", None), "__name__", None) or "train_fn"
         return HvdtrainError(
             f"rank {rank}'s data ran out: a dataset gave {got} samples where the epoch needs "
-            f"more; make `{fn}` give every rank at least (num_samples // ranks // batch) x "
-            "batch samples (shard the samples, or files only where they divide evenly among "
-            "the ranks), or lower num_samples; and leave data files as they were when counted",
+            f"{need}; make `{fn}` give every rank at least {need} samples each epoch "
+            "((num_samples // ranks // batch) x batch: shard the samples, or files only where "
+            "they divide evenly among the ranks), or lower num_samples; and leave data files "
+            "as they were when counted",
             every_rank=False,
         )
     return error

@@ -149,3 +149,33 @@ def test_every_checkpoint_damaged_is_said_in_one_line(tmp_path, caplog):
     ]
     empty = CheckpointManager(tmp_path / "new", model, optimizer)
     assert empty.latest() is None and "no checkpoint folder" in empty.found()
+
+
+def test_a_rerun_of_a_finished_job_says_it_is_trained_not_resuming(tmp_path):
+    """A second run of a 2-epoch job evaluates only: it said "resuming at epoch 3"."""
+    import hvdtrain
+
+    hvdtrain.init(threads=1)
+
+    def build():
+        model = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x = np.ones((16, 2), "float32")
+    hvdtrain.fit(build, (x, x[:, 0]), epochs=2, batch_size=8, checkpoint_dir=str(tmp_path))
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hvdtrain").addHandler(handler)  # its own: it does not propagate
+    try:
+        out = hvdtrain.fit(build, (x, x[:, 0]), epochs=2, batch_size=8,
+                           checkpoint_dir=str(tmp_path))  # fmt: skip
+    finally:
+        logging.getLogger("hvdtrain").removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert not [line for line in lines if "resuming at epoch" in line], lines
+    assert any("is after epoch 2: all 2 epoch(s) trained" in line for line in lines), lines
+    assert out["optimizer_iterations"] == 4

@@ -180,7 +180,9 @@ def test_the_datasetdata_example_gives_every_rank_its_share(sharding, tmp_path):
         return
     lines = [line for line in proc.stderr.splitlines() if "data ran out" in line]
     assert proc.returncode != 0 and lines, proc.stderr[-3000:]
-    assert "make `make_dataset` give every rank at least" in lines[0]
+    found = re.search(r"gave (\d+) samples where the epoch needs (\d+); make `make_dataset` "
+                      r"give every rank at least (\d+) samples each epoch", lines[0])  # fmt: skip
+    assert found and int(found[1]) < int(found[2]) == int(found[3]), lines[0]
     assert "shard the samples" in lines[0] and "<stderr>:Traceback" not in proc.stderr
 
 

@@ -209,3 +209,12 @@ def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():
     assert gloo_hostname_problem(gloo, "localhost") is None
     problem = gloo_hostname_problem(gloo, "nohost.invalid")
     assert "'nohost.invalid' does not resolve" in problem and "127.0.1.1 nohost.invalid" in problem
+
+
+def test_a_type_in_a_message_takes_its_article():
+    from hvdtrain.errors import kind_of
+
+    class Intracomm:
+        pass
+
+    assert kind_of(Intracomm()) == "an Intracomm" and kind_of([]) == "a list"
