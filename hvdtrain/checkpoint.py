@@ -360,6 +360,12 @@ class CheckpointManager:
             _fsync_dir(self.directory)
             if replace and aside:
                 shutil.rmtree(aside, ignore_errors=True)
+            elif aside:  # nothing lost, and the user is told where it went
+                log.warning(
+                    "a damaged checkpoint was where this one goes: %s is now %s (kept as it was)",
+                    final,
+                    aside,
+                )
         except (OSError, tf.errors.OpError) as e:  # a full disk, a lost mount, permissions
             shutil.rmtree(tmp, ignore_errors=True)
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0].split("; ")[-1]

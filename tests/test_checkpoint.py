@@ -179,3 +179,27 @@ def test_a_rerun_of_a_finished_job_says_it_is_trained_not_resuming(tmp_path):
     assert not [line for line in lines if "resuming at epoch" in line], lines
     assert any("is after epoch 2: all 2 epoch(s) trained" in line for line in lines), lines
     assert out["optimizer_iterations"] == 4
+
+
+def test_a_damaged_folder_where_a_checkpoint_goes_is_renamed_in_one_line(tmp_path):
+    """A later run reaching epoch 2 over a damaged epoch-0002 keeps it aside, and says so."""
+    import logging
+
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer)
+    manager.save(2)
+    (tmp_path / "epoch-0002" / "manifest.json").write_text("junk")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hvdtrain").addHandler(handler)
+    try:
+        manager.save(2)
+    finally:
+        logging.getLogger("hvdtrain").removeHandler(handler)
+    (aside,) = [p for p in os.listdir(tmp_path) if p.startswith("epoch-0002.damaged-")]
+    assert (tmp_path / aside / "manifest.json").read_text() == "junk"  # kept as it was
+    assert [r.getMessage() for r in records] == [
+        f"a damaged checkpoint was where this one goes: {tmp_path / 'epoch-0002'} is now "
+        f"{tmp_path / aside} (kept as it was)"
+    ]
