@@ -42,8 +42,15 @@ from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = ["FileData", "READERS", "count_records", "epoch_ranges"]
 
+_BUFFER = 256 * 1024  # TensorFlow's default read buffer, given: unsaid, each rank logs a line
+
+
+def _tfrecords(path, compression_type=None):
+    return tf.data.TFRecordDataset(path, compression_type, buffer_size=_BUFFER)
+
+
 READERS = {
-    "tfrecord": tf.data.TFRecordDataset,
+    "tfrecord": _tfrecords,
     "lines": tf.data.TextLineDataset,
     "file": lambda path: tf.data.Dataset.from_tensors(tf.io.read_file(path)),
 }

@@ -108,6 +108,40 @@ def test_dry_run_default_is_mpi_on_one_host_and_dash_dash_is_optional():
     assert dry("-np", "2", "--", "python", "t.py", "--", "x").endswith("python t.py -- x")
 
 
+def test_a_network_interface_for_gloo_on_this_host_alone_becomes_lo_with_a_warning(tmp_path):
+    """horovodrun ended in a traceback ("No interface is found for address 127.0.0.1")."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=2\n")
+    argv = ["--hostfile", str(hostfile), "--backend", "gloo", "--network-interface", "eth0"]
+    proc = run("--dry-run", *argv, "--", *MNIST)
+    assert proc.returncode == 0 and "--network-interfaces lo python" in proc.stdout
+    assert proc.stderr == (
+        "hvdtrain-run: warning: every host is this one: Gloo's ranks meet on its loopback, so "
+        "--network-interface eth0 is replaced by lo (name it again for a job across hosts)\n"
+    )
+    # Across hosts, and under MPI, the interface given is passed on as it is.
+    assert "--network-interfaces eth0" in dry(
+        "-H",
+        "localhost:1,node2:1",
+        "--backend",
+        "gloo",
+        "--network-interface",
+        "eth0",
+        "--",
+        *MNIST,
+    )
+    assert "btl_tcp_if_include eth0" in dry(
+        "--hostfile",
+        str(hostfile),
+        "--backend",
+        "mpirun",
+        "--network-interface",
+        "eth0",
+        "--",
+        *MNIST,
+    )
+
+
 def test_dry_run_mpirun():
     env = clean_env(NCCL_DEBUG="INFO", HOROVOD_LOG_LEVEL="warning")
     env.pop("LD_LIBRARY_PATH", None)

@@ -42,6 +42,7 @@ secret (*SECRET*, *TOKEN*, *KEY*, *PASSWORD*) are never printed.
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -250,6 +251,23 @@ def default_backend(hosts, in_allocation, mpirun, own_names=()):
     return "gloo"
 
 
+def gloo_on_loopback(config, own_names=()):
+    """`config`, and a warning, with `lo` for the interfaces given when Gloo's ranks are all on
+    this host (pure): they meet on 127.0.0.1, which horovodrun looked for on the interfaces
+    given and, not finding it there, ended in a traceback ("No interface is found for
+    address 127.0.0.1")."""
+    nics = config.network_interfaces
+    if config.backend != "gloo" or not nics or "lo" in nics:
+        return config, None
+    if not all(is_local(host.name, own_names) for host in config.hosts):
+        return config, None
+    warning = (
+        f"every host is this one: Gloo's ranks meet on its loopback, so --network-interface "
+        f"{','.join(nics)} is replaced by lo (name it again for a job across hosts)"
+    )
+    return dataclasses.replace(config, network_interfaces=("lo",)), warning
+
+
 def crowding_warning(args, np, environ, cores):
     """A warning when the hosts are this one by default (no -H, --hostfile or SLURM
     allocation) and `np` ranks are more than its `cores` (pure): horovodrun starts them all
@@ -341,7 +359,9 @@ def _launch(args):
     if args.elastic:  # horovodrun --gloo with a discovery script: hvdtrain.launcher.elastic
         config, spec = elastic.make_config(args, environ, make_config, resolve_hosts)
     else:
-        config = make_config(args, environ)
+        config, loopback = gloo_on_loopback(make_config(args, environ), _own_names())
+        if loopback and not args.quiet:
+            print(f"{PROG}: warning: {loopback}", file=sys.stderr, flush=True)
     bindir = os.path.dirname(sys.executable)
     name = program_for(config.backend)
     program = find_program(name, bindir, environ.get("PATH", ""))
