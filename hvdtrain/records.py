@@ -124,7 +124,9 @@ class FileData(Data):
     Args:
         files: the training files: a list of paths, a glob pattern, or a function
             `(placement) -> paths` (with `per_host`, what this host holds).
-        parse: `record -> (x, y)` (or `(x, y, sample_weight)`), applied after shuffling.
+        parse: `record -> (x, y)` (or `(x, y, sample_weight)`), applied after shuffling; a
+            string tensor: a TFRecord's serialized example, a line of text, or with
+            `reader="file"` the file's whole contents (its bytes, not its path).
         test: the test files, in the same forms, or None.
         reader: "tfrecord", "lines" (text lines), "file" (each file one record: its bytes),
             or `path -> tf.data.Dataset` of records.
