@@ -33,6 +33,14 @@ def last_activity():
     return _latest[0]._last[1] if _latest else None
 
 
+def doing(what):
+    """Tells this process's watchdog (if running) that it is doing `what` on its own (one
+    timeout): a user's callback, so that a rank stuck in one names itself before the ranks
+    that wait for it (twice the time) do."""
+    if _latest and _latest[0]._thread is not None:
+        _latest[0].beat(what)
+
+
 def waiting(what):
     """Tells this process's watchdog (the one started last, if running) that it is in a
     collective, waiting for the other ranks (twice the time): for collectives between

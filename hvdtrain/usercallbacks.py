@@ -26,7 +26,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import watchdog
+from hvdtrain import stall, watchdog
 from hvdtrain.errors import invalid_value
 
 __all__ = ["rank0_only", "runs_on_rank0_only", "UserCallbacks", "AgreedSteering"]
@@ -153,7 +153,13 @@ class UserCallbacks(tf.keras.callbacks.Callback):
             c.set_params(params)
 
     def _each(self, hook, *args):
+        # A hook of the epoch's, the user's own: one timeout there (the ranks waiting for
+        # this one in a collective get two), so a rank stuck in it is the one named. Not at
+        # batch hooks: the step's own beat (its allreduce waits) must stand.
+        own = "batch" not in hook
         for c in self.callbacks:
+            if own and _overrides(c, hook):
+                stall.doing(f"in your callback {type(c).__name__}.{hook}")
             getattr(c, hook)(*args)
 
     def on_train_begin(self, logs=None):

@@ -17,6 +17,8 @@ What ends each job (measured; see also hvdtrain/watchdog.py):
 """
 
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -104,6 +106,28 @@ def test_sleeping_rank_ends_the_job(backend, keras, tmp_path):
         r"hvdtrain: rank 1 made no progress for \d+ s \(last: finished step 5 of epoch 1;", output
     ), output[-6000:]
     assert "rank 0 made no progress" not in output  # the waiting rank is not blamed
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_stuck_in_a_users_callback_is_the_one_named(backend, tmp_path):
+    """Rank 1 sleeps in its epoch-end callback, rank 0 waits in the next collective: rank 0's
+    watchdog fired first (both on twice the time) and `hvdtrain-run` blamed rank 0 under
+    Gloo; under MPI Horovod's stall shutdown ended the job without naming rank 1."""
+    from conftest import BIN, job_env
+
+    proc = subprocess.run(
+        [f"{BIN}/hvdtrain-run", "--backend", backend, "-np", "2", "--", sys.executable,
+         worker("stuck_callback.py")],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path,
+        env=job_env(HVDTRAIN_STALL_SHUTDOWN_SECONDS=str(STALL)),
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 124, output[-6000:]
+    assert re.search(r"rank 1 made no progress for \d+ s \(last: in your callback "
+                     r"Sleepy.on_epoch_end\)", output), output[-6000:]  # fmt: skip
+    assert "hvdtrain-run: rank 1 on host localhost failed first: exit status 124" in output
+    assert "rank 0 made no progress" not in output
 
 
 @pytest.mark.timeout(300)
