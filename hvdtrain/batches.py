@@ -93,9 +93,10 @@ def _seeded(*parts):
         random.setstate(py_state)
 
 
-def _standard(batch):
+def _standard(batch, where):
     """A batch as Keras takes it: a tuple `(x,)`, `(x, y)` or `(x, y, sample_weight)`, or a
-    dict; its lists as tuples, its leaves numpy arrays (None for a missing part)."""
+    dict; its lists as tuples, its leaves numpy arrays (None for a missing part). Else the
+    error, saying `where` the batch came from."""
     if isinstance(batch, np.ndarray):
         batch = (batch,)
     if isinstance(batch, list):
@@ -104,7 +105,8 @@ def _standard(batch):
         return tf.nest.map_structure(lambda a: a if a is None else np.asarray(a), _tuples(batch))
     got = f"a tuple of {len(batch)}" if isinstance(batch, tuple) else kind_of(batch)
     raise HvdtrainError(
-        f"expected a tuple (x,), (x, y) or (x, y, sample_weight), or a dict; received {got}"
+        f"{where}: expected a tuple (x,), (x, y) or (x, y, sample_weight), or a dict; "
+        f"received {got}"
     )
 
 
@@ -221,10 +223,7 @@ class _Indexed:
                 raise
             except Exception as e:
                 raise HvdtrainError(f"{self.name}[{index}] raised {_what(e)}") from None
-        try:
-            return _standard(batch)
-        except HvdtrainError as e:
-            raise HvdtrainError(f"{self.name}[{index}]: {e}") from None
+        return _standard(batch, f"{self.name}[{index}]")
 
     def hook(self, name, seed, epoch):
         fn = getattr(self.seq, name, None)
@@ -327,10 +326,7 @@ class _Stream:
             return None
         except Exception as e:
             raise HvdtrainError(f"{self.name} raised {_what(e)} at batch {position}") from None
-        try:
-            return _standard(batch)
-        except HvdtrainError as e:
-            raise HvdtrainError(f"{self.name}'s batch {position}: {e}") from None
+        return _standard(batch, f"{self.name}'s batch {position}")
 
     def at(self, position):
         """Batch `position` of a generator object (those before it read and dropped), or
