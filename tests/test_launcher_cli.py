@@ -162,7 +162,7 @@ def test_dry_run_mpirun():
 
 def test_dry_run_tunables_and_ssh_for_horovodrun():
     line = dry(
-        "-np", "1", "--backend", "gloo", "--cycle-time-ms", "5",
+        "-np", "1", "-H", "node1:1", "--backend", "gloo", "--cycle-time-ms", "5",
         "--timeline-filename", "/tmp/tl.json", "--stall-check-warning-time-seconds", "30",
         "--stall-check-shutdown-time-seconds", "90", "--network-interface", "eth0",
         "--ssh-port", "2222", "--ssh-identity-file", "/k/id", "true",
