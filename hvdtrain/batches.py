@@ -689,23 +689,25 @@ def _gather(placement, obj, name):
     return hvd.allgather_object(obj, name=name)
 
 
+def _by_rank(values):
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
 def _check_ranks(everyone, source):
     """Every rank built the same data: the same length (indexed), batch size and structure."""
     if isinstance(source, _Indexed):
         lengths = [e["length"] for e in everyone]
         if len(set(lengths)) > 1:
             raise HvdtrainError(
-                f"the ranks' {source.name} have different lengths ("
-                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
-                + " batches); build the same dataset on every rank: hvdtrain shards it by "
+                f"the ranks' {source.name} have different lengths ({_by_rank(lengths)} "
+                "batches); build the same dataset on every rank: hvdtrain shards it by "
                 "batch index"
             )
     sizes = [e["batch_size"] for e in everyone]
     if len(set(sizes)) > 1:
         raise HvdtrainError(
-            f"the ranks' {source.name} have different batch sizes ("
-            + ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-            + "); give every rank the same batch size"
+            f"the ranks' {source.name} have different batch sizes ({_by_rank(sizes)}); give "
+            "every rank the same batch size"
         )
     specs = {_spec_text(e["signature"]) for e in everyone if e["signature"] is not None}
     if len(specs) > 1:
