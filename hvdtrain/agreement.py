@@ -86,11 +86,12 @@ def check_weights_agree(model, when="now"):
 
 class WeightsAgreeCallback(tf.keras.callbacks.Callback):
     """`check_weights_agree` after the first execution of steps of the run (not of each
-    `fit`) and at every epoch's end. Put it before the callbacks that write or checkpoint."""
+    `fit`; unless `first_steps` is False: the ranks of `--sync local` differ there) and at
+    every epoch's end. Put it before the callbacks that write or checkpoint."""
 
-    def __init__(self):
+    def __init__(self, first_steps=True):
         super().__init__()
-        self.checked_first = False
+        self.checked_first = not first_steps
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.checked_first:

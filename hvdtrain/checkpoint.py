@@ -174,15 +174,18 @@ class CheckpointManager:
             GAN's `{"optimizer": ..., "d_optimizer": ..., "g_optimizer": ...}`: the first is
             saved as `optimizer`, the others under their names).
         keep: how many complete checkpoints to keep.
+        optional: {name: trackable} saved beside them, and restored where a checkpoint holds
+            them (DiLoCo's outer momentum: a checkpoint of another `--sync` has none).
     """
 
-    def __init__(self, directory, model, optimizer, keep=2):
+    def __init__(self, directory, model, optimizer, keep=2, optional=None):
         if keep < 1:
             raise HvdtrainError(f"Invalid value for `keep`: received {keep!r}; expected >= 1.")
         self.directory = os.path.abspath(directory)
         self.model = model
         self.optimizer = optimizer
         self.keep = keep
+        self.optional = dict(optional or {})
         self.skipped = []  # the damaged checkpoint folders the last `latest()` passed over
 
     # -- checks -------------------------------------------------------------------------
@@ -279,8 +282,10 @@ class CheckpointManager:
                 f"{_describe(expected)}). Use a new --checkpoint-dir, or the flags that "
                 "wrote it."
             )
-        state = self._state()
         try:
+            held = {name.split("/")[0] for name, _ in tf.train.list_variables(
+                os.path.join(path, "state"))}  # fmt: skip
+            state = self._state(held)
             state.read(os.path.join(path, "state")).assert_existing_objects_matched()
         # A damaged state file makes TensorFlow's reader raise IndexError, KeyError, ...
         except (AssertionError, LookupError, ValueError, TypeError, tf.errors.OpError) as e:
@@ -303,9 +308,10 @@ class CheckpointManager:
             )
         return self.restore(found) if found is not None else None
 
-    def _state(self):
+    def _state(self, held=None):
         """What a checkpoint holds: the model and the optimizer, and whatever else the model's
-        Keras keeps outside them (Keras 3's random seed states)."""
+        Keras keeps outside them (Keras 3's random seed states), and the `optional` ones (of
+        those, the names in `held` only, when given)."""
         from hvdtrain.frontends import for_model
 
         extras = for_model(self.model).checkpoint_extras(self.model)
@@ -314,6 +320,7 @@ class CheckpointManager:
             first, *others = optimizers.items()
             extras.update({"optimizer_" + re.sub(r"\W+", "_", k): v for k, v in others})
             optimizers = first[1]
+        extras.update({k: v for k, v in self.optional.items() if held is None or k in held})
         return tf.train.Checkpoint(model=self.model, optimizer=optimizers, **extras)
 
     # -- writing ------------------------------------------------------------------------

@@ -183,19 +183,24 @@ class CommitStateCallback(hvd_keras.elastic.CommitStateCallback):
     execution of several steps) and at each epoch end, calling `on_commit()` first (the
     commit itself may then raise `HostsUpdatedInterrupt`); after `UpdateBatchStateCallback`.
 
+    With `ready` (`() -> bool`), a commit waits for a point where it is True: under `--sync
+    local/diloco`, the first exchange after the steps (the ranks differ between exchanges).
+
     The epoch's last step is not committed on its own: Horovod's version commits it, then
     the epoch end again, and a failure between the two (in the epoch-end evaluation) would
     restart at a step past the epoch's last.
     """
 
-    def __init__(self, state, batches_per_commit, on_commit=None):
+    def __init__(self, state, batches_per_commit, on_commit=None, ready=None):
         super().__init__(state, batches_per_commit)
-        self.on_commit = on_commit
+        self.on_commit, self.ready = on_commit, ready
         self._committed = state.batch
 
     def on_batch_end(self, batch, logs=None):
         done, every = self.state.batch, self.batches_per_commit
         if done == self.params.get("steps", -1) + self._first:  # on_epoch_end commits next
+            return
+        if self.ready is not None and not self.ready():  # --sync local: at exchanges only
             return
         if done // every > self._committed // every:
             self.commit()
@@ -408,7 +413,7 @@ def run(recipe):
     recipe.setup()
     state = ModelState(
         recipe.built.model,
-        recipe.built.optimizers.by_name,
+        recipe.built.state_holders(),
         epoch=0,
         batch=0,
         global_batch=0,
@@ -432,7 +437,10 @@ def run(recipe):
         state.epoch, state.batch = divmod(step, recipe.plan.steps)
         state.global_batch = recipe.plan.global_batch
         record.started()
-        commit = CommitStateCallback(state, recipe.cfg.commit_every, record.committed)
+        ex = recipe.built.exchange  # --sync local/diloco: the ranks agree at exchanges only
+        commit = CommitStateCallback(
+            state, recipe.cfg.commit_every, record.committed, ex and ex.in_agreement
+        )
         # Horovod: epoch and step into the state, then checkpoint, then commit.
         recipe.train(
             state_callbacks=[

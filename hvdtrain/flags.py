@@ -19,9 +19,12 @@ import os
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 
-__all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS"]
+__all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS", "SYNC_MODES"]
 
 PROGRESS = ("auto", "bar", "lines", "off")
+SYNC_MODES = ("step", "local", "diloco")
+SYNC_EVERY = 16  # --sync-every's default under --sync local/diloco
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer Nesterov SGD
 
 
 @dataclasses.dataclass
@@ -56,7 +59,16 @@ class TrainConfig:
         progress_seconds: seconds between progress lines in a log.
         eval_batch_size: per-rank batch for evaluation.
         elastic: train under Horovod Elastic (launch with `hvdtrain-run --elastic`).
-        commit_every: steps between in-memory commits of an elastic run.
+        commit_every: steps between in-memory commits of an elastic run (with `sync`
+            "local" or "diloco": at the first exchange after that many steps).
+        sync: how the ranks exchange (`hvdtrain.exchange`): "step" averages the gradients
+            of every step (the default); "local" (post-local SGD) and "diloco" let each rank
+            take `sync_every` steps on its own between exchanges of weights.
+        sync_every: H, the local steps between two exchanges (default 16).
+        sync_warmup_steps: synchronous steps before the local ones (default: the learning
+            rate's warmup under "local", none under "diloco").
+        outer_lr: DiLoCo's outer learning rate (default 0.7).
+        outer_momentum: DiLoCo's outer Nesterov momentum (default 0.9).
     """
 
     epochs: int = 1
@@ -82,6 +94,11 @@ class TrainConfig:
     eval_batch_size: int = 256
     elastic: bool = False
     commit_every: int = 10
+    sync: str = "step"
+    sync_every: int | None = None
+    sync_warmup_steps: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self):
         for name in (
@@ -124,6 +141,54 @@ class TrainConfig:
             raise invalid_value("--require-resume", True, "--checkpoint-dir with it")
         if self.metrics_json and os.path.isdir(self.metrics_json):
             raise invalid_value("--metrics-json", self.metrics_json, "a file path, not a folder")
+        _check_sync(self)
+
+
+def _check_sync(c):
+    """The one-line refusals of `--sync` and its knobs (pure: `hvdtrain.exchange` runs them)."""
+    if c.sync not in SYNC_MODES:
+        raise invalid_value("--sync", c.sync, ", ".join(SYNC_MODES))
+    if c.sync_every is not None:
+        _positive(c, "sync_every")
+    if c.sync_warmup_steps is not None and not (
+        _integer(c.sync_warmup_steps) and c.sync_warmup_steps >= 0
+    ):
+        raise invalid_value("--sync-warmup-steps", c.sync_warmup_steps, "steps >= 0")
+    if c.outer_lr is not None and not (_number(c.outer_lr) and 0 < c.outer_lr < math.inf):
+        raise invalid_value("--outer-lr", c.outer_lr, "a positive learning rate")
+    if c.outer_momentum is not None and not (
+        _number(c.outer_momentum) and 0 <= c.outer_momentum < 1
+    ):
+        raise invalid_value("--outer-momentum", c.outer_momentum, "a number from 0 to below 1")
+    local = ("sync_every", "sync_warmup_steps")
+    for name in (*local, *OUTER) if c.sync == "step" else OUTER if c.sync == "local" else ():
+        if getattr(c, name) is not None:
+            needs = "--sync local or --sync diloco" if name in local else "--sync diloco"
+            raise invalid_value(_flag(name), getattr(c, name), f"no value without {needs}")
+    if c.sync == "step":
+        return
+    if c.accumulate > 1:
+        raise invalid_value(
+            "--accumulate",
+            c.accumulate,
+            f"1 with --sync {c.sync}: its local steps already exchange less (a larger "
+            "--sync-every, or --batch-size, gives what accumulating would)",
+        )
+    if c.mixed_precision == "float16":
+        raise invalid_value(
+            "--mixed-precision",
+            c.mixed_precision,
+            f"bfloat16 with --sync {c.sync}: float16's loss scaling is agreed through the "
+            "gradients' exchange, which its local steps skip",
+        )
+    spe, every = c.steps_per_execution, c.sync_every or SYNC_EVERY
+    if spe is not None and every % spe:
+        raise invalid_value(
+            "--steps-per-execution",
+            spe,
+            f"a divisor of --sync-every {every} (the ranks exchange at an execution's end), "
+            "or no value: hvdtrain then picks one",
+        )
 
 
 def _flag(name):
@@ -303,3 +368,24 @@ def _add_training_flags(p, d):
     e = p.add_argument_group("elastic (launch with hvdtrain-run --elastic)")
     flag(e, "elastic", "train under Horovod Elastic: survive failed workers, take in new ones")
     flag(e, "commit_every", "steps between in-memory commits; a failure redoes at most this many")
+    x = p.add_argument_group("exchanging less (docs/exchanging-less.md)")
+    x.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default=d.sync,
+        help="step: average gradients at every step; local: post-local SGD; diloco: DiLoCo "
+        f"({d.sync})",
+    )
+    flag(x, "sync_every", f"local steps between exchanges of weights (default {SYNC_EVERY})")
+    flag(
+        x,
+        "sync_warmup_steps",
+        "synchronous steps first (default: the LR warmup under local, 0 under diloco)",
+    )
+    flag(x, "outer_lr", f"DiLoCo's outer learning rate (default {OUTER['outer_lr']:g})", type=float)
+    flag(
+        x,
+        "outer_momentum",
+        f"DiLoCo's outer Nesterov momentum (default {OUTER['outer_momentum']:g})",
+        type=float,
+    )

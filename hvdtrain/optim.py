@@ -128,15 +128,25 @@ def _by_position(variables, prefix, collective):
     """
     if hvd.size() == 1 or not variables:
         return
+    variables = _tf_variables(variables)
+    for v, value in zip(variables, packed(variables, prefix, collective), strict=True):
+        v.assign(value)
+
+
+def packed(tensors, prefix, collective):
+    """`collective(buffer, name)` of `tensors` packed by dtype (see `_by_position`): the
+    results, in the order of `tensors`."""
     groups = {}
-    for v in _tf_variables(variables):
-        groups.setdefault(v.dtype.name, []).append(v)
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype.name, []).append(i)
+    out = [None] * len(tensors)
     for dtype, group in sorted(groups.items()):
-        flat = tf.concat([tf.reshape(v, [-1]) for v in group], axis=0)
+        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in group], axis=0)
         flat = collective(flat, f"{prefix}.{dtype}")
-        parts = tf.split(flat, [int(v.shape.num_elements()) for v in group])
-        for v, part in zip(group, parts, strict=True):
-            v.assign(tf.reshape(part, v.shape))
+        parts = tf.split(flat, [int(tensors[i].shape.num_elements()) for i in group])
+        for i, part in zip(group, parts, strict=True):
+            out[i] = tf.reshape(part, tensors[i].shape)
+    return out
 
 
 def _tf_variables(variables):

@@ -47,6 +47,7 @@ import numpy as np
 from hvdtrain import (
     agreement,
     elastic,
+    exchange,
     files,
     frontends,
     metrics,
@@ -167,6 +168,15 @@ class Built:
     policy: str | None  # the mixed-precision policy
     steps_per_execution: int
     manager: CheckpointManager | None  # with --checkpoint-dir
+    exchange: exchange.Exchange | None  # with --sync local or diloco
+
+    def state_holders(self):
+        """The optimizers and what else holds training state beside the model (DiLoCo's
+        outer momentum), by name: broadcast, checkpointed and committed together."""
+        out = dict(self.optimizers.by_name)
+        if self.exchange is not None and self.exchange.outer is not None:
+            out["exchange_outer"] = self.exchange.outer
+        return out
 
     @property
     def reported(self):
@@ -252,6 +262,15 @@ class Run:
             model = _float32_outputs(model, k)
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
+        if cfg.sync != "step":  # the ranks exchange at an execution's end
+            spe = exchange.fitting_steps_per_execution(spe, cfg.sync_every or exchange.SYNC_EVERY)
+            if policy == "mixed_float16":  # --mixed-precision auto on a GPU
+                raise invalid_value(
+                    "--mixed-precision",
+                    cfg.mixed_precision,
+                    f"bfloat16 with --sync {cfg.sync}: float16's loss scaling is agreed through "
+                    "the gradients' exchange, which its local steps skip",
+                )
         if spe > 1 and usercallbacks.own_batch_hooks(self.user_callbacks):
             self.log.warning(
                 "a callback of yours has batch hooks: Keras calls them once every %d steps (at "
@@ -266,12 +285,19 @@ class Run:
         k.configure(model, spe)
         if xla:
             self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
+        # --sync local/diloco: each rank steps on its own between exchanges of weights.
+        ex = exchange.Exchange(cfg, model, optimizers) if cfg.sync != "step" else None
         manager = None
         if cfg.checkpoint_dir:
+            outer = {"exchange_outer": ex.outer} if ex is not None and ex.outer else None
             manager = CheckpointManager(
-                cfg.checkpoint_dir, model, optimizers.by_name, keep=cfg.keep_checkpoints
+                cfg.checkpoint_dir,
+                model,
+                optimizers.by_name,
+                keep=cfg.keep_checkpoints,
+                optional=outer,
             )
-        self.built = Built(k, model, optimizers, policy, spe, manager)
+        self.built = Built(k, model, optimizers, policy, spe, manager, ex)
 
     def _built(self):
         """`build_model()`; the one-line error where one Keras refused an object of the other."""
@@ -326,12 +352,14 @@ class Run:
             watchdog.holding("set-up: resuming from the newest checkpoint")
             start_step = self._resume(p, steps, global_batch)
             # Horovod: start every rank from rank 0's weights and optimizer state.
-            optim.broadcast_initial_state(b.model, list(b.optimizers))
+            optim.broadcast_initial_state(b.model, list(b.state_holders().values()))
         else:
             epoch, step, batch = position
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
             start_step = resume_step(saved, steps, global_batch)
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
+        if b.exchange is not None:  # the ranks hold the same weights here: the anchor
+            b.exchange.begin(start_step, warmup_steps)
         watchdog.holding("set-up: preparing the test set")
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
         self.plan = Plan(p, data, steps, per_rank, global_batch, warmup_steps, start_step, test_ds)
@@ -454,13 +482,16 @@ class Run:
             # any checkpoint.
             cb.DivergenceCallback(steps, self.lr_base(), plan.start_step),
             # Every rank holds the same weights (first steps, epoch ends), or the run stops.
-            agreement.WeightsAgreeCallback(),
+            agreement.WeightsAgreeCallback(first_steps=b.exchange is None),
             self.throughput,
             # The user's callbacks (writers on rank 0), then their stop and LR on every rank.
             self.user,
             self.steering,
             *state_callbacks,
         ]
+        if b.exchange is not None:  # first: everything after sees the exchanged weights
+            check = lambda when: agreement.check_weights_agree(b.model, when)  # noqa: E731
+            out.insert(1, exchange.ExchangeCallback(b.exchange, steps, plan.start_step, check))
         if cfg.deterministic:
             out.insert(0, cb.DeterministicRandomness(cfg.seed, p.rank, plan.start_step))
         if p.rank == 0:
@@ -490,9 +521,7 @@ class Run:
                 plan.start_step,
                 history=self.history,
                 extra=self._checkpoint_extra,
-                check=lambda: agreement.check_weights_agree(
-                    b.model, "before a mid-epoch checkpoint"
-                ),
+                check=self._before_checkpoint,
             )
             out.append(self.checkpointer)
         if commit is not None:
@@ -511,7 +540,7 @@ class Run:
             where = f" from epoch {start // steps + 1}, step {start % steps} (global step {start})"
         self.log.info(
             "%straining on %d rank(s)%s: %d steps/epoch, batch %d/rank (%d global%s), lr %s -> "
-            "%s over %d steps, %d step(s) per execution%s",
+            "%s over %d steps, %d step(s) per execution%s%s",
             "elastic: " if cfg.elastic else "",
             plan.place.size,
             where,
@@ -524,6 +553,7 @@ class Run:
             plan.warmup_steps,
             min(b.steps_per_execution, steps),
             f", {b.policy}" if b.policy else "",
+            f"; {b.exchange.describe()}" if b.exchange else "",
         )
 
         # Keras 3 runs whole executions (31 steps at 16 per execution ran 32): there, each
@@ -587,6 +617,13 @@ class Run:
             self._end_user_callbacks()
         except Exception as e:
             raise _explained(e, plan.place.rank, plan.data) from None
+
+    def _before_checkpoint(self):
+        """Every rank, before a mid-epoch checkpoint: an exchange if one is due (`--sync
+        local/diloco`), then the check that the ranks agree."""
+        if self.built.exchange is not None:
+            self.built.exchange.now()
+        agreement.check_weights_agree(self.built.model, "before a mid-epoch checkpoint")
 
     def _end_user_callbacks(self):
         """The user's callbacks' `on_train_end`; when a callback stopped training and then
@@ -665,6 +702,7 @@ class Run:
             "accumulate": cfg.accumulate,
             "mixed_precision": b.policy,
             "fp16_allreduce": cfg.fp16_allreduce,
+            "sync": b.exchange.summary() if b.exchange else {"mode": "step"},
             "lr_base": self.lr_base(),
             "lr_scaled": self.lr_scaled(),
             "lr_final": float(b.schedule(reported.iterations)),

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from hvdtrain import compat
 from hvdtrain.errors import invalid_value
+from hvdtrain.exchange import gated
 from hvdtrain.rates import WarmupSchedule, applying, class_attribute, single_worker_lr
 
 __all__ = [
@@ -102,7 +103,12 @@ def _averaging_where_applied(made):
 
     def _allreduce(self, grads, variables):
         self._hvdtrain_reduced = True
-        return reduce(self, grads, variables)
+        if self._hvdtrain_gate is None:
+            return reduce(self, grads, variables)
+        # `--sync local/diloco`: averaged in the synchronous warmup only (`hvdtrain.exchange`)
+        pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
+        kept = [v for _, v in pairs]
+        return gated(self._hvdtrain_gate, lambda gs: reduce(self, gs, kept), grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         try:
@@ -119,6 +125,7 @@ def _averaging_where_applied(made):
         _allreduce=_allreduce,
         apply_gradients=applying(apply_gradients),
         _hvdtrain_reduced=False,
+        _hvdtrain_gate=None,
         _hvdtrain_applying=False,
         _hvdtrain_single_worker=False,
     )

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from hvdtrain import rates
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.exchange import gated
 
 __all__ = [
     "NAME",
@@ -187,8 +188,9 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             self._hvdtrain_sums = _Sums(variables)
 
     def apply(self, grads, trainable_variables=None):
-        if passes == 1:
-            return cls.apply(self, average(grads), trainable_variables)
+        if passes == 1:  # (--sync local/diloco: averaged in their warmup only)
+            grads = gated(self._hvdtrain_gate, average, grads)
+            return cls.apply(self, grads, trainable_variables)
         variables = trainable_variables or self._trainable_variables
         if not self.built:
             self.build(variables)
@@ -225,6 +227,7 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
             "_hvdtrain_applying": False,
             "_hvdtrain_single_worker": False,
             "_hvdtrain_distributed": True,
+            "_hvdtrain_gate": None,
             "__module__": __name__,
         },
     )

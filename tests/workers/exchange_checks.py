@@ -1,0 +1,73 @@
+"""A small model with BatchNorm trained through `hvdtrain.fit` under any `--sync`, for the
+tests of exchanging less (`hvdtrain.exchange`):
+
+    horovodrun -np 2 -H localhost:2 python tests/workers/exchange_checks.py --out OUT \
+        --sync local --sync-every 4 --steps-per-execution 1 [--keras 3] [--optimizer sgd]
+
+Each rank writes OUT/rank<r>.npz (its final weights, trainable and not) and OUT/trace.json
+(rank 0): for every step, whether the ranks' trainable weights were the same after it (a
+checksum gathered from every rank at every step: give --steps-per-execution 1).
+"""
+
+import json
+import os
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import hvdtrain
+from hvdtrain.agreement import weights_checksums
+
+SAMPLES, FEATURES, CLASSES = 320, 12, 4
+
+
+def main():
+    parser = hvdtrain.ArgumentParser(description=__doc__, epochs=2, batch_size=16)
+    parser.add_argument("--keras", choices=["2", "3"], default="2")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.keras == "3":
+        import keras as k
+    else:
+        k = tf.keras
+
+    def build_model():
+        model = k.Sequential(
+            [
+                k.Input((FEATURES,)),
+                k.layers.Dense(16, activation="relu"),
+                k.layers.BatchNormalization(),
+                k.layers.Dense(CLASSES),
+            ]
+        )
+        opt = k.optimizers.SGD(0.05) if args.optimizer == "sgd" else k.optimizers.Adam(1e-2)
+        loss = k.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(opt, loss, metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
+    y = (x[:, :CLASSES].argmax(1)).astype("int64")
+    trace = []
+
+    class Trace(k.callbacks.Callback):  # every rank: a collective
+        def on_train_batch_end(self, batch, logs=None):
+            mine = [c for _, c in weights_checksums(self.model)]
+            gathered = hvd.allgather_object(mine, name="test.trace")
+            trace.append(all(g == gathered[0] for g in gathered))
+
+    kept = k.callbacks.LambdaCallback()  # its `model`: the one fit trains
+    data = hvdtrain.ArrayData(x, y, test=(x[:64], y[:64]))
+    hvdtrain.fit(build_model, data, args, callbacks=[Trace(), kept])
+    os.makedirs(args.out, exist_ok=True)
+    weights = [np.asarray(v.numpy()) for v in kept.model.weights]
+    np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), *weights)
+    if hvd.rank() == 0:
+        with open(os.path.join(args.out, "trace.json"), "w") as f:
+            json.dump(trace, f)
+
+
+if __name__ == "__main__":
+    main()
