@@ -605,16 +605,32 @@ def test_a_gan_killed_mid_epoch_resumes_bitwise(version, backend, shared_jobs, t
     assert len(digests) == 1
 
 
+def test_a_gan_under_local_sgd_exchanges_both_optimizers_state_to_one_digest(shared_jobs, tmp_path):
+    """`--sync local`: each optimizer steps alone after the warmup (epoch 1); the weights and
+    both Adams' moments are averaged every 2 steps of epoch 2 (8 steps: 4 exchanges)."""
+    _train(2, "gloo", tmp_path, "--keras", "2", "--models", "gan", "--epochs", "2", "--sync",
+           "local", "--sync-every", "2", jobs=shared_jobs)  # fmt: skip
+    m = _metrics(tmp_path, "gan")
+    assert m["sync"]["mode"] == "local" and m["sync"]["warmup_steps"] == 8
+    assert m["sync"]["exchanges"] == 4 and m["status"] == "finished"
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+
+
 @pytest.mark.slow
-def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(tmp_path):
+@pytest.mark.parametrize(
+    "sync", [[], ["--sync", "local", "--sync-every", "3", "--commit-every", "2"]]
+)
+def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(sync, tmp_path):
     """`--elastic` on two hosts of this machine; rank 1 kills itself after step 12 (epoch 2):
-    the survivor rolls both optimizers back to the last commit and trains on alone."""
+    the survivor rolls both optimizers back to the last commit and trains on alone. Under
+    `--sync local` (epoch 1 synchronous, then an exchange every 3 steps) a commit waits for
+    an exchange: the last is 3 steps into epoch 2, not 4."""
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     argv = [run, "--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--",
             sys.executable, WORKER, "--elastic", "--keras", "3", "--models", "gan",
             "--epochs", "3", "--kill-at", "12", "--commit-every", "5",
             "--steps-per-execution", "1", "--checkpoint-dir", str(tmp_path / "ck"),
-            "--metrics-json", str(tmp_path / "m.json")]  # fmt: skip
+            "--metrics-json", str(tmp_path / "m.json"), *sync]  # fmt: skip
     env = job_env(HOROVOD_ELASTIC_TIMEOUT="60", HOROVOD_GLOO_TIMEOUT_SECONDS="60")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT)
     out = proc.stdout + proc.stderr
@@ -625,6 +641,8 @@ def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(tm
     assert m["size"] == 1 and m["status"] == "finished"
     (reset,) = m["elastic"]["resets"]
     assert reset["restored"]["step"] == reset["last_commit"]["step"] <= 12
+    if sync:
+        assert reset["restored"]["step"] == 11 and m["sync"]["exchanges"] > 0
     # Both optimizers rolled back with the weights: the steps of 2 ranks before the commit,
     # then 1 rank's (16 a epoch) from there to the end of epoch 3.
     before = reset["restored"]["step"]

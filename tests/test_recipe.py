@@ -4,7 +4,8 @@ tf.data pipeline), run as `horovodrun -np 2` under Gloo and MPI.
 
 - kill rank 1 mid-epoch, run the same command again: bitwise the weights of an
   uninterrupted run, for arrays, TFRecord files and a Keras `Sequence` / `PyDataset` with
-  augmentation drawn from np.random, on both Keras;
+  augmentation drawn from np.random, on both Keras; also between two exchanges of weights
+  under `--sync local` and `--sync diloco`;
 - every record read exactly once per epoch across the ranks, equal steps, with files of
   uneven sizes: shared files and per-host files; a resume mid-epoch reads the same records;
 - a user script's mistakes: one line, exit 2, no traceback.
@@ -35,8 +36,12 @@ def files(tmp_path_factory):
 
 def train(backend, form, files, out, *extra, check=True, jobs=None):
     """form: arrays, tfrecord, batches (a Sequence), keras3 (arrays, the model in Keras 3),
-    keras3-tfrecord or keras3-batches (a PyDataset); in a shared job of `jobs` where one is
-    given."""
+    keras3-tfrecord or keras3-batches (a PyDataset), each with "+local" or "+diloco" for
+    `--sync` (every 4 steps, checkpoints at exchanges); in a shared job of `jobs` where one
+    is given."""
+    form, _, sync = form.partition("+")
+    if sync:  # checkpoints every 4 steps: step 24 is one, step 25 lies between two exchanges
+        extra = ("--sync", sync, "--sync-every", "4", "--checkpoint-every", "4", *extra)
     if form.startswith("keras3"):
         form, extra = form.partition("-")[2] or "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
@@ -79,6 +84,8 @@ def uninterrupted(files, tmp_path_factory, shared_jobs):
         ("mpi", "keras3"),
         ("mpi", "batches"),
         ("gloo", "keras3-batches"),
+        ("gloo", "arrays+local"),  # killed between two exchanges of weights
+        ("mpi", "keras3+diloco"),
     ],  # fmt: skip
 )
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
@@ -188,6 +195,9 @@ def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, shared_jobs, tm
          "Invalid value for `train files`: received '/no/such/dir/train-*.tfrecord'; expected a "
          "pattern that matches files."),
         (["--bogus"], "unrecognized arguments: --bogus. See `recipe.py --help`."),
+        (["--sync", "local", "--accumulate", "2"], "Invalid value for `--accumulate`: received "
+         "2; expected 1 with --sync local: its local steps already exchange less (a larger "
+         "--sync-every, or --batch-size, gives what accumulating would)."),
     ],
 )  # fmt: skip
 def test_a_user_scripts_mistakes_are_one_line_and_exit_2(flags, message):

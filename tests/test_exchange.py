@@ -1,0 +1,149 @@
+"""Exchanging less (`hvdtrain.exchange`): `--sync local` and `--sync diloco`.
+
+In this process: where exchanges fall, the steps per execution that fit, the gradients' gate,
+the bad combinations as one line. On 2 ranks in the module's shared Gloo job
+(tests/workers/exchange_checks.py, a model with BatchNorm): local SGD at H=1 with plain SGD is
+the synchronous mode; DiLoCo with an outer SGD of rate 1 and no momentum is local SGD, on
+each Keras; the ranks hold one checksum after every exchange and differ between them; the
+metrics JSON counts the exchanges and their bytes. Kill-and-resume between two exchanges:
+test_recipe.py; a GAN: test_customizing_fit.py; elastic: test_customizing_fit.py (slow).
+"""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import worker
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import exchange_due, fitting_steps_per_execution
+from hvdtrain.flags import make_config
+
+CHECKS = worker("exchange_checks.py")
+
+
+def test_exchanges_fall_every_h_steps_of_an_epoch_and_at_its_end():
+    due = [s for s in range(1, 11) if exchange_due(s, 10, 4)]
+    assert due == [4, 8, 10]
+    assert [s for s in range(1, 5) if exchange_due(s, 4, 16)] == [4]  # H past the epoch
+
+
+@pytest.mark.parametrize("default, every, spe", [(16, 64, 16), (16, 4, 4), (16, 24, 12),
+                                                 (16, 17, 1), (1, 16, 1)])  # fmt: skip
+def test_steps_per_execution_are_set_to_divide_h(default, every, spe):
+    assert fitting_steps_per_execution(default, every) == spe
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"sync": "sometimes"}, "`--sync`: received 'sometimes'; expected step, local, diloco"),
+        ({"sync_every": 4}, "`--sync-every`: received 4; expected no value without --sync "
+         "local or --sync diloco"),
+        ({"sync": "local", "outer_lr": 0.5}, "`--outer-lr`: received 0.5; expected no value "
+         "without --sync diloco"),
+        ({"sync": "local", "sync_every": 0}, "`--sync-every`: received 0; expected a positive"),
+        ({"sync": "diloco", "outer_momentum": 1.0}, "expected a number from 0 to below 1"),
+        ({"sync": "local", "accumulate": 2}, "`--accumulate`: received 2; expected 1 with "
+         "--sync local"),
+        ({"sync": "diloco", "mixed_precision": "float16"}, "expected bfloat16 with --sync diloco"),
+        ({"sync": "local", "sync_every": 4, "steps_per_execution": 8},
+         "`--steps-per-execution`: received 8; expected a divisor of --sync-every 4"),
+    ],
+)  # fmt: skip
+def test_bad_combinations_are_one_line(options, words):
+    with pytest.raises(HvdtrainError, match=None) as e:
+        make_config(**options)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_gate_averages_in_the_warmup_only_and_keeps_none_gradients():
+    import tensorflow as tf
+
+    from hvdtrain.exchange import _Gate, gated
+
+    gate = _Gate()
+    grads = [tf.ones(2), None, tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), [3, 2])]
+    double = lambda gs: [g * 2 for g in gs]  # noqa: E731  (stands for the allreduce)
+    on = gated(gate, double, grads)
+    assert on[1] is None and np.allclose(on[0], 2) and np.allclose(on[2], [[0, 0], [2, 2], [0, 0]])
+    gate.on.assign(False)
+    off = gated(gate, double, grads)
+    assert off[1] is None and np.allclose(off[0], 1) and np.allclose(off[2][1], 1)
+    assert gated(None, double, [tf.ones(1)])[0].numpy() == 2  # --sync step: no gate
+
+
+def _run(jobs, out, *flags, keras="2"):
+    jobs.get(2, "gloo").run_script(
+        [
+            CHECKS,
+            "--out",
+            out,
+            "--keras",
+            keras,
+            "--steps-per-execution",
+            "1",
+            "--metrics-json",
+            out / "m.json",
+            *flags,
+        ]  # fmt: skip
+    )
+    weights = []
+    for rank in range(2):
+        z = np.load(out / f"rank{rank}.npz")
+        weights.append([z[f"arr_{i}"] for i in range(len(z.files))])
+    return weights, json.loads((out / "m.json").read_text())
+
+
+def _largest_difference(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def test_local_sgd_at_h1_with_plain_sgd_is_the_synchronous_mode(shared_jobs, tmp_path):
+    """Averaging the weights after each step of plain SGD is averaging the gradients."""
+    (step, _), m_step = _run(shared_jobs, tmp_path / "step", "--optimizer", "sgd")
+    (local, _), m = _run(shared_jobs, tmp_path / "local", "--optimizer", "sgd", "--sync", "local",
+                         "--sync-every", "1", "--sync-warmup-steps", "0")  # fmt: skip
+    assert m_step["sync"] == {"mode": "step"}
+    assert m["sync"]["exchanges"] == 20 and m["sync"]["warmup_steps"] == 0
+    assert _largest_difference(step, local) < 1e-5
+    assert m["ranks"][0]["weights_digest"] != m_step["ranks"][0]["weights_digest"]  # not bitwise
+
+
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_diloco_with_outer_sgd_of_rate_1_is_local_sgd_and_ranks_agree_at_exchanges(
+    keras, shared_jobs, tmp_path
+):
+    """Adam inside, BatchNorm: 2 epochs of 10 steps, H=4: exchanges after steps 4, 8, 10 of
+    each epoch, and the ranks' weights differ after every other step."""
+    (local, local1), m = _run(shared_jobs, tmp_path / "local", "--sync", "local", "--sync-every",
+                              "4", "--sync-warmup-steps", "0", keras=keras)  # fmt: skip
+    (diloco, diloco1), d = _run(shared_jobs, tmp_path / "diloco", "--sync", "diloco",
+                                "--sync-every", "4", "--outer-lr", "1", "--outer-momentum", "0",
+                                keras=keras)  # fmt: skip
+    assert _largest_difference(local, diloco) < 1e-6
+    # after the end, every variable (BatchNorm's statistics, too) the same on both ranks
+    assert _largest_difference(local, local1) == 0 and _largest_difference(diloco, diloco1) == 0
+    for run in ("local", "diloco"):
+        trace = json.loads((tmp_path / run / "trace.json").read_text())
+        assert [i + 1 for i, agreed in enumerate(trace) if agreed] == [4, 8, 10, 14, 18, 20]
+    assert m["sync"]["exchanges"] == d["sync"]["exchanges"] == 6
+    assert d["sync"]["mode"] == "diloco" and d["sync"]["outer_lr"] == 1.0
+    # Adam's two moments travel with the weights: 3 x the trainable floats, + BatchNorm's 2 x 16
+    trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
+    assert m["sync"]["bytes_per_exchange"] == 4 * (3 * trainable + 2 * 16)
+    assert m["sync"]["bytes_sent"] == 6 * m["sync"]["bytes_per_exchange"]
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+
+
+def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_jobs, tmp_path):
+    (local, _), _ = _run(shared_jobs, tmp_path / "local", "--sync", "local", "--sync-every", "4",
+                         "--sync-warmup-steps", "0")  # fmt: skip
+    (diloco, _), d = _run(shared_jobs, tmp_path / "diloco", "--sync", "diloco", "--sync-every",
+                          "4", "--fp16-allreduce")  # fmt: skip
+    assert _largest_difference(local, diloco) > 1e-3  # the default outer 0.7 / 0.9 acts
+    trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
+    assert d["sync"]["fp16"] and d["sync"]["bytes_per_exchange"] == (
+        2 * trainable + 4 * (2 * trainable + 2 * 16)
+    )
+    assert d["status"] == "finished" and len({r["weights_digest"] for r in d["ranks"]}) == 1
