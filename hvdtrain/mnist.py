@@ -44,7 +44,7 @@ SOURCES = {
 
 def _parser():
     p = ArgumentParser(f"python -m {PROG}", __doc__, epochs=15, batch_size=32, lr=1e-3)
-    p.add_argument("--model", choices=["convnet", "mlp"], default="convnet")
+    p.add_argument("--model", choices=["convnet", "convnet-bn", "mlp"], default="convnet")
     p.add_argument("--data-dir", help="folder with mnist.npz or the four MNIST IDX files")
     frontends.add_keras_flag(p)
     return p

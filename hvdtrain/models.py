@@ -1,10 +1,11 @@
-"""The MNIST models: a small convnet (default) and the MLP of Keras' multi-GPU guide."""
+"""The MNIST models: a small convnet (default), the same with BatchNorm, and the MLP of
+Keras' multi-GPU guide."""
 
 import tensorflow as tf
 
 __all__ = ["build_model", "MODELS"]
 
-MODELS = ("convnet", "mlp")
+MODELS = ("convnet", "convnet-bn", "mlp")
 
 
 def build_model(name="convnet", keras=tf.keras):
@@ -25,6 +26,18 @@ def build_model(name="convnet", keras=tf.keras):
             layers.Dense(128, activation="relu"),
             layers.Dropout(0.5),
         ]
+    elif name == "convnet-bn":  # BatchNorm's moving statistics: averaged across the ranks
+        body = [
+            layers.Conv2D(32, 3, use_bias=False),
+            layers.BatchNormalization(),
+            layers.Activation("relu"),
+            layers.Conv2D(64, 3, use_bias=False),
+            layers.BatchNormalization(),
+            layers.Activation("relu"),
+            layers.MaxPooling2D(),
+            layers.Flatten(),
+            layers.Dense(128, activation="relu"),
+        ]
     elif name == "mlp":
         body = [
             layers.Flatten(),
@@ -34,5 +47,5 @@ def build_model(name="convnet", keras=tf.keras):
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
     return keras.Sequential(
-        [keras.Input((28, 28, 1)), *body, layers.Dense(10)], name=f"mnist_{name}"
+        [keras.Input((28, 28, 1)), *body, layers.Dense(10)], name=f"mnist_{name.replace('-', '_')}"
     )

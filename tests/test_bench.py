@@ -500,16 +500,39 @@ def test_floor_bounds_the_step_by_the_wait_and_the_transfer():
     assert parts["efficiency"]["horovod"] == pytest.approx(2.0 / 3.2)
     assert parts["ceiling"] == pytest.approx(2.0 / 2.1)
     text = markdown(ms, parts)
-    assert "| horovod | 3.20 | 0.62 |" in text and "at the lower bound 0.71" in text
+    assert "| horovod | 3.20 | 0.62 | 0.66 |" in text and "at the lower bound 0.71" in text
     assert "| the same 4 bytes, the ranks arriving together | 0.004 |" in text
+
+
+def test_floor_sync_axis_adds_local_sgd_jobs_per_backend():
+    from hvdtrain.bench.floor import sync_jobs
+
+    assert sync_jobs([4, 16], ["mpi", "gloo"]) == (
+        ("local-4", "local-4", 2, "mpi"),
+        ("local-16", "local-16", 2, "mpi"),
+        ("horovod-gloo", "horovod", 2, "gloo"),
+        ("local-4-gloo", "local-4", 2, "gloo"),
+        ("local-16-gloo", "local-16", 2, "gloo"),
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.alone
 def test_floor_quick_run_times_every_job(tmp_path):
-    proc = _run_quick("hvdtrain.bench.floor", tmp_path)
+    proc = _run_quick("hvdtrain.bench.floor", tmp_path, "--sync", "4", "--backends", "mpi,gloo")
     data = json.loads((tmp_path / "floor.json").read_text())
-    assert list(data["ms_per_step"]) == ["alone", "side-by-side", "copy", "sync", "mpi", "horovod"]
+    assert list(data["ms_per_step"]) == [
+        "alone",
+        "side-by-side",
+        "copy",
+        "sync",
+        "mpi",
+        "horovod",
+        "local-4",
+        "horovod-gloo",
+        "local-4-gloo",
+    ]
+    assert 0 < data["of_ceiling"]["local-4"] < 2
     assert all(v > 0 for v in data["ms_per_step"].values())
     # Both unconnected processes and every -np 2 job ran (the logs hold each rank's command)
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())

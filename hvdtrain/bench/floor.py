@@ -5,6 +5,7 @@ performance issue's question: are its targets within reach?).
     python -m hvdtrain.bench.floor --out out/floor --rounds 3
     python -m hvdtrain.bench.floor --out out/floor128 --rounds 2 --batch-size 128
     python -m hvdtrain.bench.floor --out out/floor --quick   # the smoke run (a minute)
+    python -m hvdtrain.bench.floor --out out/sync --sync 1,4,16,64 --backends mpi,gloo
 
 One training loop (the MNIST MLP or `--model convnet`, per-rank batch 64 or `--batch-size`,
 Adam, 16 steps per `tf.function` call as hvdtrain's `steps_per_execution`, one core per
@@ -22,7 +23,11 @@ rank), run as these jobs, interleaved round by round (the order reversed in even
     once: the least software an MPI-based exchange can have; then the same allreduce in
     a tight loop, the ranks arriving together;
 - `horovod`: Horovod's grouped allreduce (average) inside the same loop, after
-  `hvdtrain.init()` (hvdtrain's settings), no NumPy detour.
+  `hvdtrain.init()` (hvdtrain's settings), no NumPy detour;
+- with `--sync H,...` (exchanging less, `hvdtrain.exchange`): `local-H`, the same loop with
+  no exchange in the step, and hvdtrain's own exchange of `--sync local` (the weights and
+  Adam's moments averaged) after every H steps, the calls of min(16, H) steps; with
+  `--backends mpi,gloo` these and `horovod` also under Gloo (`-gloo` after their names).
 
 Each job times its calls inside the exchange on every rank, every step (the wait falls on
 the faster rank: the ranks' mean is reported), and after its timed windows the same call
@@ -84,6 +89,7 @@ def decompose(ms, inside):
     bare = pair + inside["mpi"] + inside["scale"]
     return {
         "efficiency": {job: alone / step for job, step in ms.items() if job != "alone"},
+        "of_ceiling": {job: pair / step for job, step in ms.items() if job != "alone"},
         "ceiling": alone / pair,
         "inside_ms": dict(inside),
         "bound_step_ms": bound,
@@ -97,9 +103,10 @@ def decompose(ms, inside):
 def markdown(ms, parts):
     """The report's two tables. Pure."""
     inside = parts["inside_ms"]
-    lines = ["| job | ms per step | efficiency (alone / step) |", "| --- | --- | --- |"]
-    lines += [f"| {job} | {step:.2f} | {parts['efficiency'].get(job, 1.0):.2f} |"
-              for job, step in ms.items()]  # fmt: skip
+    lines = ["| job | ms per step | efficiency (alone / step) | of the ceiling |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    lines += [f"| {job} | {step:.2f} | {parts['efficiency'].get(job, 1.0):.2f} | "
+              f"{parts['of_ceiling'].get(job, 1.0):.2f} |" for job, step in ms.items()]  # fmt: skip
     rows = [
         ("two processes side by side, no exchange: the step", ms["side-by-side"]),
         ("waiting for the slower rank: the 4-byte allreduce in the step (sync)", inside["sync"]),
@@ -122,6 +129,17 @@ def markdown(ms, parts):
     return "\n".join(lines) + "\n"
 
 
+def sync_jobs(every, backends):
+    """The jobs `--sync` and `--backends` add. Pure."""
+    out = []
+    for backend in backends:
+        suffix = "" if backend == "mpi" else f"-{backend}"
+        if backend != "mpi":
+            out.append((f"horovod{suffix}", "horovod", 2, backend))
+        out += [(f"local-{h}{suffix}", f"local-{h}", 2, backend) for h in every]
+    return tuple(out)
+
+
 def _worker(exchange, model_name, batch, calls):
     from hvdtrain.bench.allreduce import _raw_mpi
     from hvdtrain.bench.workers import MARKER, _bind, _loss, synthetic_data
@@ -131,7 +149,14 @@ def _worker(exchange, model_name, batch, calls):
     import numpy as np
 
     comm = None
-    if exchange == "horovod":
+    local = int(exchange.partition("-")[2]) if exchange.startswith("local-") else 0
+    per_call = STEPS_PER_CALL
+    if local:  # hvdtrain's rule: a call's steps divide H; as many steps per window
+        from hvdtrain.exchange import fitting_steps_per_execution
+
+        per_call = fitting_steps_per_execution(STEPS_PER_CALL, local)
+        calls = calls * STEPS_PER_CALL // per_call
+    if exchange == "horovod" or local:
         import horovod.tensorflow as hvd
 
         import hvdtrain
@@ -187,7 +212,7 @@ def _worker(exchange, model_name, batch, calls):
         return out
 
     def exchange_gradients(grads):
-        if exchange == "none":
+        if exchange == "none" or local:
             return grads
         if exchange == "horovod":
             return hvd.grouped_allreduce(grads, op=hvd.Average)
@@ -207,17 +232,39 @@ def _worker(exchange, model_name, batch, calls):
             opt.apply_gradients(zip(grads, variables, strict=True))
         return loss
 
-    if exchange == "horovod":
+    exchanges = None
+    if exchange == "horovod" or local:
         hvd.broadcast_variables(variables, 0)
+    if local:
+        from types import SimpleNamespace
+
+        from hvdtrain.exchange import Exchange
+
+        opt.build(variables)
+        cfg = SimpleNamespace(sync="local", sync_every=local, sync_warmup_steps=0, outer_lr=None,
+                              outer_momentum=None, fp16_allreduce=False)  # fmt: skip
+        exchanges = Exchange(cfg, model, [opt])
+        exchanges.begin(0, 0)
+    done = 0
+
+    def call(k):
+        nonlocal done
+        loss = steps(tf.constant(k * per_call), tf.constant(per_call))
+        done += per_call
+        if exchanges is not None and done % local == 0:
+            exchanges.step = done
+            exchanges.now()
+        return loss
+
     for k in range(max(3, calls // 3)):  # warm-up: tracing, caches
-        steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL))
+        call(k)
     spent.update(call=0.0, scale=0.0, steps=0)
     windows = []
     for _ in range(WINDOWS):
         start = time.perf_counter()
         for k in range(calls):
-            steps(tf.constant(k * STEPS_PER_CALL), tf.constant(STEPS_PER_CALL)).numpy()
-        windows.append(1e3 * (time.perf_counter() - start) / (calls * STEPS_PER_CALL))
+            call(k).numpy()
+        windows.append(1e3 * (time.perf_counter() - start) / (calls * per_call))
     inside = {}
     if comm is not None:  # every rank's mean per step (the wait falls on the faster one)
         n = max(spent["steps"], 1)
@@ -273,8 +320,9 @@ def _run(argv):
     p.add_argument("--model", choices=("mlp", "convnet"), default="mlp")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--quick", action="store_true", help="short windows, one round: a smoke run")
-    p.add_argument("--exchange", choices=("none", "copy", "sync", "mpi", "horovod"),
-                   help="worker mode: one rank of one job (what the ranks run)")  # fmt: skip
+    p.add_argument("--sync", default="", help="H,H,...: also local SGD exchanging every H steps")
+    p.add_argument("--backends", default="mpi", help="mpi,gloo: --sync's jobs under these")
+    p.add_argument("--exchange", help="worker mode: one rank of one job (what the ranks run)")
     p.add_argument("--calls", type=int, help="calls of 16 steps per timed window (of 5): "
                    "by default 60 for the MLP, 4 for the convnet (seconds each)")  # fmt: skip
     args = p.parse_args(argv)
@@ -286,13 +334,23 @@ def _run(argv):
         args.calls = max(1, CALLS[args.model] // 15) if args.quick else CALLS[args.model]
     if args.exchange:
         return _worker(args.exchange, args.model, args.batch_size, args.calls)
+    try:
+        every = [int(h) for h in args.sync.split(",") if h.strip()]
+    except ValueError:
+        every = [0]
+    if any(h < 1 for h in every):
+        raise invalid_value("--sync", args.sync, "steps between exchanges, e.g. 1,4,16,64")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or set(backends) - {"mpi", "gloo"}:
+        raise invalid_value("--backends", args.backends, "mpi, gloo or mpi,gloo")
+    all_jobs = JOBS + sync_jobs(every, backends)
     quiet_wait = 0 if args.quick else QUIET_WAIT
     if args.quick:
         args.rounds = 1
     jobs, inside = {}, {}  # per job, round by round: ms per step; what was timed inside
     logs = os.path.join(os.path.abspath(args.out), "logs")
     for r in range(args.rounds):
-        order = JOBS if r % 2 == 0 else JOBS[::-1]
+        order = all_jobs if r % 2 == 0 else all_jobs[::-1]
         for job, exchange, np_, backend in order:
             worker_args = ("--exchange", exchange, "--model", args.model, "--batch-size",
                            str(args.batch_size), "--calls", str(args.calls))  # fmt: skip
@@ -310,7 +368,7 @@ def _run(argv):
             if results[0]["inside_ms"]:
                 inside.setdefault(job, []).append(results[0]["inside_ms"])
             print(f"round {r + 1}: {job} {jobs[job][-1]:.2f} ms per step", file=sys.stderr)
-    ms = {job: statistics.median(jobs[job]) for job, *_ in JOBS}
+    ms = {job: statistics.median(jobs[job]) for job, *_ in all_jobs}
     parts = decompose(ms, _inside(inside))
     report = markdown(ms, parts) + "\nRound by round, ms per step:\n\n"
     report += "".join(f"- {job}: {', '.join(f'{v:.3g}' for v in values)}\n"

@@ -1,0 +1,108 @@
+"""What exchanging less costs in accuracy: `python -m hvdtrain.mnist` on the whole MNIST at
+-np 2 (Gloo), at equal samples, under `--sync step`, `local` and `diloco` for each H, over
+several seeds; the mean and spread of the test accuracy per mode.
+
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --out out/accuracy
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --model convnet-bn --every 16
+
+`--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
+job (`hvdtrain-run --backend gloo -np 2`); `accuracy.json` (every run's figures) and
+`accuracy.md` (the table) go to `--out`. It never imports TensorFlow.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import main as cli_main
+
+__all__ = ["main", "plan", "table"]
+
+PROG = "python -m hvdtrain.bench.accuracy"
+
+
+def plan(every, modes=("local", "diloco")):
+    """The modes to run: [(label, flags)], the synchronous one first. Pure."""
+    out = [("step", [])]
+    for mode in modes:
+        for h in every:
+            flags = ["--sync", mode, "--sync-every", str(h)]
+            out.append((f"{mode} H={h}", flags))
+    return out
+
+
+def table(results):
+    """{label: [test accuracy per seed]} -> a Markdown table: mean, spread (max - min), and
+    the difference to the synchronous mean, in points. Pure."""
+    base = statistics.mean(results["step"]) if results.get("step") else None
+    lines = ["| mode | seeds | test accuracy, mean | spread | vs step (points) |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for label, accs in results.items():
+        mean = statistics.mean(accs)
+        diff = "" if base is None or label == "step" else f"{100 * (mean - base):+.2f}"
+        lines.append(f"| {label} | {len(accs)} | {100 * mean:.2f} % | "
+                     f"{100 * (max(accs) - min(accs)):.2f} | {diff} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _run(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--data-dir", required=True, help="the four MNIST IDX files")
+    p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--model", choices=("mlp", "convnet", "convnet-bn"), default="mlp")
+    p.add_argument("--every", default="4,16,64", help="the H values")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.data_dir):
+        raise invalid_value("--data-dir", args.data_dir, "a folder with the MNIST IDX files")
+    try:
+        every = [int(h) for h in args.every.split(",")]
+    except ValueError:
+        every = [0]
+    if any(h < 1 for h in every):
+        raise invalid_value("--every", args.every, "H values, e.g. 4,16,64")
+    os.makedirs(args.out, exist_ok=True)
+    run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
+    runs, results = [], {}
+    for label, flags in plan(every):
+        for seed in range(args.seeds):
+            metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
+            argv = [run, "--backend", "gloo", "-np", "2", "--", sys.executable, "-m",
+                    "hvdtrain.mnist", "--model", args.model, "--data-dir", args.data_dir,
+                    "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+                    "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
+                    *flags]  # fmt: skip
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise HvdtrainError(f"{label}, seed {seed} failed: {proc.stderr[-2000:]}")
+            with open(metrics) as f:
+                m = json.load(f)
+            runs.append({"mode": label, "seed": seed, "test_accuracy": m["test_accuracy"],
+                         "test_samples": m["test_samples"], "sync": m["sync"],
+                         "wall_seconds": m["wall_seconds"]})  # fmt: skip
+            results.setdefault(label, []).append(m["test_accuracy"])
+            print(f"{label} seed {seed}: {100 * m['test_accuracy']:.2f} %", file=sys.stderr)
+    text = table(results)
+    header = (f"{args.model}, {args.epochs} epochs of 60,000 digits, -np 2 x batch "
+              f"{args.batch_size} (Gloo), {args.seeds} seeds; test on 10,000:\n\n")  # fmt: skip
+    with open(os.path.join(args.out, "accuracy.json"), "w") as f:
+        json.dump({"model": args.model, "epochs": args.epochs, "runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "accuracy.md"), "w") as f:
+        f.write(header + text)
+    print(header + text)
+    return 0
+
+
+def main(argv=None):
+    return cli_main(_run, argv, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
