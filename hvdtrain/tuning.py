@@ -95,7 +95,16 @@ def horovod_settings(environ):
     Elastic (HOROVOD_ELASTIC=1) no response cache: Horovod 0.28.1 keeps a worker's cache
     across a reset (`set_capacity` clears it only when the capacity changes), so a worker
     that trained at 2 ranks, then alone, aborts when a worker joins again (gloo
-    `pair.cc:510 op.preamble.length <= op.nbytes`)."""
+    `pair.cc:510 op.preamble.length <= op.nbytes`).
+
+    And Open MPI's `ofi` BTL left out (`OMPI_MCA_btl`: `^ofi`, or `ofi` added to the
+    exclusion list the launcher gave, `-mca btl ^openib` from `horovodrun` and
+    `hvdtrain-run`; a list that names the BTLs to use is kept). Debian's Open MPI 4.1.4
+    can deadlock in `MPI_Init` there: `opal_common_ofi_export_memory_monitor` returns
+    without releasing its lock when called a second time, and the next call waits on it
+    forever (a 2-rank job under `horovodrun --mpi` hung 26 minutes in `MPI_Init`,
+    2026-11-28, the thread waiting on a lock it held). The BTL serves OFI fabrics under
+    `pml ob1`; TCP and shared memory, what the launchers' `pml ob1` uses, are kept."""
     out = {}
     if environ.get("HOROVOD_ELASTIC") == "1" and "HOROVOD_CACHE_CAPACITY" not in environ:
         out["HOROVOD_CACHE_CAPACITY"] = "0"
@@ -104,6 +113,9 @@ def horovod_settings(environ):
         out["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"
     if "OMPI_MCA_mpi_yield_when_idle" not in environ:
         out["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    btl = environ.get("OMPI_MCA_btl")
+    if btl is None or (btl.startswith("^") and "ofi" not in btl[1:].split(",")):
+        out["OMPI_MCA_btl"] = "^ofi" if btl is None else f"{btl},ofi"
     return out
 
 

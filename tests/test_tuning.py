@@ -42,7 +42,19 @@ def test_compile_options_several_steps_per_call_at_most_an_epoch():
     ],
 )
 def test_horovod_settings_only_where_the_user_set_nothing(environ, expected):
-    assert tuning.horovod_settings(environ) == expected
+    got = tuning.horovod_settings({"OMPI_MCA_btl": "self,tcp", **environ})
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "btl, expected",
+    [(None, "^ofi"), ("^openib", "^openib,ofi"), ("^ofi", None), ("^openib,ofi", None),
+     ("self,vader,tcp", None), ("self,tcp,ofi", None)],
+)  # fmt: skip
+def test_open_mpi_ofi_btl_is_left_out_unless_asked_for(btl, expected):
+    """Debian's Open MPI 4.1.4 can deadlock in MPI_Init inside the ofi BTL (tuning.py)."""
+    environ = {"OMPI_MCA_mpi_yield_when_idle": "1"} | ({"OMPI_MCA_btl": btl} if btl else {})
+    assert tuning.horovod_settings(environ).get("OMPI_MCA_btl") == expected
 
 
 def test_background_threads_batch_on_cpu_hosts_only():
