@@ -120,12 +120,16 @@ class Exchange:
         self.warmup = 0  # synchronous steps first: set by `begin`
         self.step = self.agreed = 0  # the global step now, and where the ranks last agreed
         self.exchanges = self.bytes = 0  # this process's, since the run began
+        self.per_exchange = _bytes(self.weights, self.compression) + _bytes(self.state)
+        self.syncing = True  # the gate's value, mirrored: no read of the variable per call
+        self._exchange_fn = None
 
     def begin(self, start_step, lr_warmup_steps):
         """At every (re)start, once every rank holds the same weights (broadcast, restored)."""
         default = lr_warmup_steps if self.mode == "local" else 0
         self.warmup = self.warmup_flag if self.warmup_flag is not None else default
-        self.gate.on.assign(start_step < self.warmup)
+        self.syncing = start_step < self.warmup
+        self.gate.on.assign(self.syncing)
         for a, w in zip(self.anchor, self.weights, strict=True):
             a.assign(w)
         self.step = self.agreed = start_step
@@ -134,9 +138,10 @@ class Exchange:
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
         Returns True after an exchange."""
         self.step = global_step
-        if bool(self.gate.on.numpy()):  # these steps averaged their gradients: in agreement
+        if self.syncing:  # these steps averaged their gradients: in agreement
             self.agreed = global_step
             if global_step >= self.warmup:
+                self.syncing = False
                 self.gate.on.assign(False)
             return False
         if exchange_due(step_in_epoch, steps_per_epoch, self.every):
@@ -152,9 +157,20 @@ class Exchange:
         same point). Returns True if it exchanged."""
         if self.in_agreement():
             return False
-        from hvdtrain import optim, watchdog
+        from hvdtrain import watchdog
 
         watchdog.waiting(f"exchanging weights with the other ranks ({NAMES[self.mode]})")
+        if self._exchange_fn is None:  # one traced call: eager ops per variable cost more
+            self._exchange_fn = tf.function(self._exchange, autograph=False)  # than the bytes
+        self._exchange_fn()
+        self.bytes += self.per_exchange
+        self.exchanges += 1
+        self.agreed = self.step
+        return True
+
+    def _exchange(self):
+        from hvdtrain import optim
+
         deltas = [a - w for a, w in zip(self.anchor, self.weights, strict=True)]
         mean = optim.packed(deltas, "hvdtrain.exchange", self._average)
         if self.outer is None:  # the ranks' mean weights: anchor - mean(anchor - weights)
@@ -167,15 +183,13 @@ class Exchange:
                 a.assign_sub(lr * (d + mu * m))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
-        optim._by_position(
-            self.state,
-            "hvdtrain.exchange.state",
-            lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name),
-        )
-        self.bytes += _bytes(deltas, self.compression) + _bytes(self.state)
-        self.exchanges += 1
-        self.agreed = self.step
-        return True
+        if self.state:
+            average = lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)  # noqa: E731
+            for v, value in zip(
+                self.state, optim.packed(self.state, "hvdtrain.exchange.state", average),
+                strict=True,
+            ):  # fmt: skip
+                v.assign(value)
 
     def _average(self, tensor, name):
         return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
@@ -199,7 +213,7 @@ class Exchange:
             "outer_momentum": self.momentum if self.outer is not None else None,
             "fp16": self.compression is hvd.Compression.fp16,
             "exchanges": self.exchanges,
-            "bytes_per_exchange": _bytes(self.weights, self.compression) + _bytes(self.state),
+            "bytes_per_exchange": self.per_exchange,
             "bytes_sent": self.bytes,
         }
 

@@ -97,7 +97,7 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     return share
 
 
-def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
+def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, sync="step"):
     """Initialises Horovod and this process's devices; call once, before building models.
 
     Performance defaults (`hvdtrain.tuning`, measured by `python -m hvdtrain.bench`):
@@ -119,6 +119,8 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
             HVDTRAIN_STALL_SHUTDOWN_SECONDS, else 300; 0 turns both off. The HOROVOD_STALL_*
             variables, when set, win. Also prints `hvdtrain: rank R failed: ...` after an
             uncaught exception's traceback.
+        sync: `hvdtrain.fit`'s `--sync`: under "local" and "diloco" the ranks meet rarely,
+            and Horovod's cycle is longer (`hvdtrain.tuning.EXCHANGE_CYCLE_TIME_MS`).
 
     Returns:
         The GPU index used, or None on a CPU-only host.
@@ -129,7 +131,8 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None):
     if problem:  # before hvd.init(), where Gloo would crash without a word
         raise HvdtrainError(problem)
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
-    os.environ.update(tuning.horovod_settings(os.environ))  # cycle time, MPI waits; see there
+    settings = tuning.horovod_settings(os.environ, exchanges_rarely=sync != "step")
+    os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
     hvd.init(comm=comm)
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)

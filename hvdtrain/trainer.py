@@ -232,7 +232,7 @@ class Run:
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
         cfg = self.cfg
-        runtime.init(threads=cfg.threads)
+        runtime.init(threads=cfg.threads, sync=cfg.sync)
         place = datamod.Placement.current()
         rank = place.rank
         self.log = get_logger(rank)

@@ -17,6 +17,7 @@ none of them changes the training math.
     for the next cycle after its last gradient: a 1 ms cycle costs the MLP about a quarter
     of its throughput at -np 2. A single process keeps Horovod's 1 ms: it has nothing
     to exchange, and polling every 0.1 ms would cost it a quarter of its core.
+    Under `--sync local/diloco`, whose ranks meet every H steps only, Horovod's 1 ms.
   - OMPI_MCA_mpi_yield_when_idle=1 (Open MPI: 0 unless oversubscribed): an MPI wait yields
     the core instead of spinning on it. With one core per rank, Horovod's background thread
     waits in MPI for the other ranks at every cycle; spinning took the core from the rank's
@@ -53,6 +54,11 @@ __all__ = [
 
 STEPS_PER_EXECUTION = 16
 CYCLE_TIME_MS = 0.1
+# Under `--sync local/diloco` the ranks meet at exchanges only, every H steps: with Horovod's
+# thread polling every 0.1 ms in between, local SGD on the MNIST MLP at H=64 ran at 0.75 of
+# the ceiling; at 1 ms 0.92 (MPI) and 0.91 (Gloo), at 2 ms 0.87 and 0.88, one round each
+# (python -m hvdtrain.bench.floor --sync 16,64 --backends mpi,gloo, 2026-11-28).
+EXCHANGE_CYCLE_TIME_MS = 1.0
 # The launchers' variables that give the number of ranks before `hvd.init()`.
 _SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 _THREAD_ENV = "HVDTRAIN_HOROVOD_THREAD"  # "batch" (default on CPU-only hosts), "idle", "normal"
@@ -87,7 +93,7 @@ def launcher_size(environ):
     return None
 
 
-def horovod_settings(environ):
+def horovod_settings(environ, exchanges_rarely=False):
     """The variables `hvdtrain.init` sets before `hvd.init()`, of those missing from
     `environ` (pure; `environ` is only read): the short cycle only when a launcher started
     more than one rank (a single process has nothing to wait for, and the polling would
@@ -95,7 +101,8 @@ def horovod_settings(environ):
     Elastic (HOROVOD_ELASTIC=1) no response cache: Horovod 0.28.1 keeps a worker's cache
     across a reset (`set_capacity` clears it only when the capacity changes), so a worker
     that trained at 2 ranks, then alone, aborts when a worker joins again (gloo
-    `pair.cc:510 op.preamble.length <= op.nbytes`).
+    `pair.cc:510 op.preamble.length <= op.nbytes`). With `exchanges_rarely` (`--sync
+    local/diloco`) the cycle is `EXCHANGE_CYCLE_TIME_MS`.
 
     And Open MPI's `ofi` BTL left out (`OMPI_MCA_btl`: `^ofi`, or `ofi` added to the
     exclusion list the launcher gave, `-mca btl ^openib` from `horovodrun` and
@@ -110,7 +117,8 @@ def horovod_settings(environ):
         out["HOROVOD_CACHE_CAPACITY"] = "0"
     size = launcher_size(environ)
     if size and size > 1 and "HOROVOD_CYCLE_TIME" not in environ:
-        out["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"
+        cycle = EXCHANGE_CYCLE_TIME_MS if exchanges_rarely else CYCLE_TIME_MS
+        out["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
     if "OMPI_MCA_mpi_yield_when_idle" not in environ:
         out["OMPI_MCA_mpi_yield_when_idle"] = "1"
     btl = environ.get("OMPI_MCA_btl")

@@ -112,3 +112,14 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     assert out.count("2 1 True") == 2, out  # the user's cycle time wins
     out = run_job(1, "none", [str(script)]).stdout
     assert "rank 0 None 1 True" in out, out
+
+
+def test_a_longer_cycle_where_ranks_exchange_every_h_steps_only():
+    environ = {
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_MCA_mpi_yield_when_idle": "1",
+        "OMPI_MCA_btl": "^ofi",
+    }
+    assert tuning.horovod_settings(environ, exchanges_rarely=True) == {"HOROVOD_CYCLE_TIME": "1"}
+    environ["HOROVOD_CYCLE_TIME"] = "0.5"  # the user's wins
+    assert tuning.horovod_settings(environ, exchanges_rarely=True) == {}

@@ -161,7 +161,7 @@ def _worker(exchange, model_name, batch, calls):
 
         import hvdtrain
 
-        hvdtrain.init(threads=1)
+        hvdtrain.init(threads=1, sync="local" if local else "step")
         rank, size = hvd.rank(), hvd.size()
         import tensorflow as tf
     else:

@@ -31,7 +31,11 @@ __all__ = [
     "project",
     "paper_check",
     "default_workloads",
+    "exchange_less",
 ]
+# Exchanging less (`--sync local`, `hvdtrain.exchange`): an exchange moves the weights and the
+# optimizer's float state, every H steps. Copies of the parameters per exchange:
+STATE_COPIES = {"SGD with momentum": 2, "Adam": 3}
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 GPUS = (8, 16, 32, 64, 128, 256, 512)
@@ -58,9 +62,31 @@ def ring_allreduce_seconds(nbytes, n, bandwidth):
     return 2 * (n - 1) / n * nbytes / bandwidth
 
 
-def efficiency(compute_seconds, nbytes, n, bandwidth):
-    """compute / (compute + allreduce) at `n` workers."""
-    return compute_seconds / (compute_seconds + ring_allreduce_seconds(nbytes, n, bandwidth))
+def efficiency(compute_seconds, nbytes, n, bandwidth, every=1):
+    """compute / (compute + allreduce / every) at `n` workers: one allreduce of `nbytes`
+    every `every` steps."""
+    exchange = ring_allreduce_seconds(nbytes, n, bandwidth) / every
+    return compute_seconds / (compute_seconds + exchange)
+
+
+def exchange_less(workloads, every=(4, 16, 64), bandwidths=(ROCE_25G, IB_100G), gpus=GPUS):
+    """Predicted efficiency of `--sync local` / `diloco` exchanging every H steps: the
+    weights and the optimizer's state (`STATE_COPIES` of the parameters, by the workload's
+    `optimizer`) once per H steps; the synchronous mode (the gradient every step) first.
+    Still no overlap and no latency; it says nothing of accuracy."""
+    rows = []
+    for w in workloads:
+        copies = STATE_COPIES[w.get("optimizer", "Adam")]
+        for bw in bandwidths:
+            for h in (1, *every):
+                nbytes = w["params"] * 4 * (1 if h == 1 else copies)
+                rows.append({
+                    "name": w["name"], "bandwidth_gbit": bw / GBIT,
+                    "mode": "step" if h == 1 else f"H={h}",
+                    "efficiency": {n: efficiency(w["compute_seconds"], nbytes, n, bw, h)
+                                   for n in gpus},
+                })  # fmt: skip
+    return rows
 
 
 def default_workloads(convnet_compute_seconds=None, convnet_params=None):
@@ -80,8 +106,10 @@ def default_workloads(convnet_compute_seconds=None, convnet_params=None):
             "params": 25.6e6,
             "compute_seconds": 0.1,
             "compute_source": "assumed: 640 images/s",
+            "optimizer": "SGD with momentum",
         },
     ]
+    rows[0]["optimizer"] = "SGD with momentum"
     if convnet_params:
         if convnet_compute_seconds:
             rows.append(
@@ -154,6 +182,17 @@ def _fmt_table(rows, gpus=GPUS):
             f"{r['gradient_bytes'] / 1e6:.1f} MB",
             f"{r['bandwidth_gbit']:g} Gbit/s",
         ] + [f"{r['efficiency'][n]:.2f}" for n in gpus]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def exchange_markdown(rows, gpus=(8, 64, 512)):
+    """`exchange_less`'s rows as a Markdown table."""
+    lines = ["| workload | link | exchange | " + " | ".join(f"{n} GPUs" for n in gpus) + " |",
+             "|" + " --- |" * (3 + len(gpus))]  # fmt: skip
+    for r in rows:
+        cells = [r["name"], f"{r['bandwidth_gbit']:g} Gbit/s", r["mode"]]
+        cells += [f"{r['efficiency'][n]:.2f}" for n in gpus]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
