@@ -98,9 +98,12 @@ def test_lines():
         "hvdtrain 0.1.0, 4 GPUs, 4 slots)"
     )
     assert host_line("n2", {}, ["a", "b"]) == "n2: problem: a; b"
-    assert final_line([("launch host n0", []), ("n1", [])]).startswith("doctor: ok: 2 hosts")
+    # A one-line hostfile is one host (issue 51: it said "2 hosts ready")
+    assert final_line([("launch host n0", []), ("n1", [])]) == (
+        "doctor: ok: 1 host ready and matching the launch host"
+    )
     assert final_line([("launch host n0", []), ("n1", ["x"]), ("n2", ["y"])]) == (
-        "doctor: problem on 2 of 3 hosts (n1, n2)"
+        "doctor: problem on n1, n2 (of 2 hosts and the launch host)"
     )
 
 
@@ -149,5 +152,5 @@ def test_doctor_for_real(tmp_path):
         "nohost.invalid: problem: ssh failed: "
         "ssh: Could not resolve hostname nohost.invalid: Name or service not known"
     )
-    assert lines[4] == "doctor: problem on 1 of 4 hosts (nohost.invalid)"
+    assert lines[4] == "doctor: problem on nohost.invalid (of 3 hosts and the launch host)"
     assert "Traceback" not in proc.stderr

@@ -293,11 +293,13 @@ def host_line(label, report, problems, slots=None):
 
 
 def final_line(results):
-    """The verdict over [(label, problems)], the launch host first."""
+    """The verdict over [(label, problems)], the launch host first: the hosts counted are
+    the hostfile's (a one-line hostfile is one host, the launch host among them or not)."""
     bad = [label for label, problems in results if problems]
+    hosts = _count(len(results) - 1, "host")
     if not bad:
-        return f"doctor: ok: {_count(len(results), 'host')} ready and matching the launch host"
-    return f"doctor: problem on {len(bad)} of {_count(len(results), 'host')} ({', '.join(bad)})"
+        return f"doctor: ok: {hosts} ready and matching the launch host"
+    return f"doctor: problem on {', '.join(bad)} (of {hosts} and the launch host)"
 
 
 def run_doctor(
