@@ -97,6 +97,19 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     return share
 
 
+def _whole_lines():
+    """stdout and stderr write whole lines: under PYTHONUNBUFFERED=1 (common in Docker
+    images) `print("a", 1)` writes "a", " ", "1" and the newline one by one, and a launcher
+    that tags each rank's output (`[1,0]<stdout>:`) split the line between ranks' writes.
+    Line buffering flushes at each newline: output as prompt, one write per line."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(write_through=False, line_buffering=True)
+            except (ValueError, OSError):  # a stream already used in a way that forbids it
+                pass
+
+
 def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, sync="step"):
     """Initialises Horovod and this process's devices; call once, before building models.
 
@@ -125,6 +138,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
     Returns:
         The GPU index used, or None on a CPU-only host.
     """
+    _whole_lines()
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
     compat.horovod_as_graph_code()  # a faster first step: see there
     problem = gloo_hostname_problem(os.environ)

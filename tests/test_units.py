@@ -218,3 +218,28 @@ def test_a_type_in_a_message_takes_its_article():
         pass
 
     assert kind_of(Intracomm()) == "an Intracomm" and kind_of([]) == "a list"
+
+
+def test_unbuffered_streams_write_whole_lines(monkeypatch):
+    """PYTHONUNBUFFERED=1: print("a", 1) wrote each piece on its own, and mpirun's rank tags
+    split the line; after hvdtrain.init's `_whole_lines` a line is one write."""
+    import io
+    import sys
+
+    from hvdtrain import runtime
+
+    class Raw(io.RawIOBase):
+        writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    stream = io.TextIOWrapper(io.BufferedWriter(Raw(), 1), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stream)
+    runtime._whole_lines()
+    print("rank", 1, "says", "hello", file=stream)
+    assert Raw.writes == [b"rank 1 says hello\n"]
