@@ -73,6 +73,7 @@ pitfall above shown with Horovod's piece and with hvdtrain's).
 
 import hashlib
 import logging
+import sys
 import time
 
 import horovod.tensorflow as hvd
@@ -83,7 +84,7 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from hvdtrain import optim, watchdog
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, write_line
 
 __all__ = [
     "run",
@@ -405,11 +406,43 @@ def guarded(body, interrupted=None):
     return run
 
 
+def quiet_refusals():
+    """Horovod's services in this process (an elastic worker's notification service, on every
+    interface) refuse a request not signed with the job's key, and Python's socketserver
+    printed a 20-line traceback for each (`Exception: Security error: digest did not match
+    the message.`). Here each is one line, counted; the refusal itself is Horovod's."""
+    from horovod.runner.common.util import network
+
+    made = network.BasicService.__init__
+    if getattr(made, "_hvdtrain", False):
+        return
+    refused = [0]
+
+    def handle_error(service, request, client_address):
+        refused[0] += 1
+        error = sys.exc_info()[1]
+        why = "not signed with this job's key" if "Security error" in str(error) else (
+            str(error).splitlines()[0] if str(error) else type(error).__name__)  # fmt: skip
+        write_line(
+            f"hvdtrain: rank {hvd.rank() if hvd.is_initialized() else '?'}: Horovod's "
+            f"{service._service_name} refused a request from {client_address[0]}: {why} "
+            f"({refused[0]} refused so far)"
+        )
+
+    def __init__(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self._server.handle_error = lambda request, address: handle_error(self, request, address)
+
+    __init__._hvdtrain = True
+    network.BasicService.__init__ = __init__
+
+
 def run(recipe):
     """`hvdtrain.fit(..., elastic=True)`: `recipe` (a `hvdtrain.trainer.Run`) under
     `hvd.elastic.run`; returns its metrics, with an `elastic` section (this process's
     starts, commits and resets). Launched without Horovod Elastic (no
     `--host-discovery-script`/`--min-np`) it is a fixed-size job that cannot recover."""
+    quiet_refusals()  # before Horovod starts this worker's service
     recipe.setup()
     state = ModelState(
         recipe.built.model,

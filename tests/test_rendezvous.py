@@ -87,6 +87,30 @@ def test_a_server_started_without_a_token_answers_as_before():
         server.stop()
 
 
+def test_a_workers_service_refuses_an_unsigned_request_in_one_line_counted(capfd):
+    """An elastic worker's notification service (Horovod's, made as `hvdtrain.fit` makes it
+    under --elastic): each refused request is one line on stderr, not socketserver's
+    20-line traceback (issue 51)."""
+    from horovod.runner.common.util.network import BasicService
+
+    from hvdtrain.elastic import quiet_refusals
+
+    quiet_refusals()
+    made = BasicService("worker notification service", secret.make_secret_key(), None)
+    try:
+        assert _unsigned(made.get_port()) == b"" and _unsigned(made.get_port()) == b""
+    finally:
+        made.shutdown()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Security error" not in err
+    lines = [line for line in err.splitlines() if "refused a request" in line]
+    assert len(lines) == 2, err
+    said = "Horovod's worker notification service refused a request from 127.0.0.1: not signed "
+    assert all(said + "with this job's key (" in line for line in lines), lines
+    counts = [int(line.rsplit("(", 1)[1].split()[0]) for line in lines]
+    assert counts[1] == counts[0] + 1  # counted (over the process's services)
+
+
 @pytest.mark.parametrize("service", ["driver", "task"])
 def test_horovodruns_own_services_answer_only_requests_signed_with_the_jobs_key(service):
     """The driver and task services horovodrun starts to find the hosts' common interfaces
@@ -273,6 +297,8 @@ def test_an_elastic_job_refuses_probes_and_its_services_refuse_unsigned_requests
     assert list(answers.values()) == [b"", b""], answers
 
     _refused_and_unchanged(out, probes, unpickled, metrics, reference)
+    text = "".join(out.lines)  # each refusal one line, no traceback (issue 51)
+    assert "Security error" not in text and text.count("refused a request from") == 2, text
 
 
 @pytest.mark.slow
