@@ -44,6 +44,8 @@ COMMANDS = [  # (title, argv after the Python)
     ("`python -m hvdtrain.bench.workers`", ["-m", "hvdtrain.bench.workers", "--help"]),
     ("`python -m hvdtrain.bench.allreduce`", ["-m", "hvdtrain.bench.allreduce", "--help"]),
     ("`python -m hvdtrain.bench.floor`", ["-m", "hvdtrain.bench.floor", "--help"]),
+    ("`python -m hvdtrain.bench.loading`", ["-m", "hvdtrain.bench.loading", "--help"]),
+    ("`python -m hvdtrain.bench.accuracy`", ["-m", "hvdtrain.bench.accuracy", "--help"]),
     ("`python -m hvdtrain.launcher.elastic`", ["-m", "hvdtrain.launcher.elastic", "--help"]),
 ]
 

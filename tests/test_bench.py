@@ -580,3 +580,18 @@ def test_projection_of_exchanging_less_moves_the_state_every_h_steps():
     # Adam: weights and two moments, 12 MB every 16 steps
     assert h16["efficiency"][8] == pytest.approx(efficiency(0.01, 12e6, 8, 25 * GBIT, 16))
     assert h16["efficiency"][8] > step["efficiency"][8]
+
+
+def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
+    from hvdtrain.bench.accuracy import plan, table
+
+    assert plan([4, 16]) == [
+        ("step", []),
+        ("local H=4", ["--sync", "local", "--sync-every", "4"]),
+        ("local H=16", ["--sync", "local", "--sync-every", "16"]),
+        ("diloco H=4", ["--sync", "diloco", "--sync-every", "4"]),
+        ("diloco H=16", ["--sync", "diloco", "--sync-every", "16"]),
+    ]
+    text = table({"step": [0.97, 0.98], "local H=4": [0.975, 0.965]})
+    assert "| step | 2 | 97.50 % | 1.00 |  |" in text
+    assert "| local H=4 | 2 | 97.00 % | 1.00 | -0.50 |" in text
