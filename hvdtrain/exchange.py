@@ -9,7 +9,7 @@ this module runs then. Under the other two:
 
 - **Gradients.** The model's distributed optimizers average their gradients during the
   synchronous warmup (`--sync-warmup-steps`: the learning rate's warmup under `local`, none
-  under `diloco`), then stop: a `tf.cond` on one variable (`gated`) skips the allreduce, and
+  under `diloco`), then stop: a `tf.cond` on one variable (`hvdtrain.gate`) skips the allreduce, and
   each rank steps with its own batch, with the same learning rate (x ranks) as the
   synchronous run.
 - **Exchanges.** After every H-th step of an epoch (H = `--sync-every`), at each epoch's end,
@@ -30,8 +30,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdtrain.flags import OUTER, SYNC_EVERY
+from hvdtrain.gate import Gate
 
-__all__ = ["Exchange", "ExchangeCallback", "exchange_due", "fitting_steps_per_execution", "gated"]
+__all__ = ["Exchange", "ExchangeCallback", "exchange_due", "fitting_steps_per_execution"]
 
 NAMES = {"local": "local SGD", "diloco": "DiLoCo"}
 
@@ -45,31 +46,6 @@ def fitting_steps_per_execution(default, every):
     """The largest number of steps per execution up to `default` that divides `every` (the
     ranks exchange at an execution's end)."""
     return max(d for d in range(1, min(default, every) + 1) if every % d == 0)
-
-
-def gated(gate, reduce, grads):
-    """`reduce(grads)` (the allreduce of a distributed optimizer) while `gate` (a holder of a
-    boolean variable, or None) is on, else `grads` as they are: a `tf.cond`, so one traced
-    train step does both. None gradients stay None; sparse ones are made dense."""
-    if gate is None:
-        return reduce(grads)
-    grads = list(grads)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]
-    if not dense:
-        return grads
-    out = tf.cond(gate.on, lambda: list(reduce(dense)), lambda: list(dense))
-    for i, g in zip(present, out, strict=True):
-        grads[i] = g
-    return grads
-
-
-class _Gate:
-    """A boolean variable in a plain holder: Keras would track (checkpoint) a variable set as an
-    attribute of the optimizer."""
-
-    def __init__(self):
-        self.on = tf.Variable(True, trainable=False, name="hvdtrain_exchange_gradients")
 
 
 class OuterState(tf.Module):
@@ -97,7 +73,7 @@ class Exchange:
         if self.momentum is None:
             self.momentum = OUTER["outer_momentum"]
         self.compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
-        self.gate = _Gate()
+        self.gate = Gate()
         optimizers = list(optimizers)
         for opt in optimizers:
             getattr(opt, "inner_optimizer", opt)._hvdtrain_gate = self.gate

@@ -60,9 +60,9 @@ def test_bad_combinations_are_one_line(options, words):
 def test_the_gate_averages_in_the_warmup_only_and_keeps_none_gradients():
     import tensorflow as tf
 
-    from hvdtrain.exchange import _Gate, gated
+    from hvdtrain.gate import Gate, gated
 
-    gate = _Gate()
+    gate = Gate()
     grads = [tf.ones(2), None, tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), [3, 2])]
     double = lambda gs: [g * 2 for g in gs]  # noqa: E731  (stands for the allreduce)
     on = gated(gate, double, grads)

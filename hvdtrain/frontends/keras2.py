@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from hvdtrain import compat
 from hvdtrain.errors import invalid_value
-from hvdtrain.exchange import gated
+from hvdtrain.gate import gated
 from hvdtrain.rates import WarmupSchedule, applying, class_attribute, single_worker_lr
 
 __all__ = [

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hvdtrain import rates
 from hvdtrain.errors import HvdtrainError, invalid_value
-from hvdtrain.exchange import gated
+from hvdtrain.gate import gated
 
 __all__ = [
     "NAME",
