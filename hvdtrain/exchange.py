@@ -9,9 +9,9 @@ this module runs then. Under the other two:
 
 - **Gradients.** The model's distributed optimizers average their gradients during the
   synchronous warmup (`--sync-warmup-steps`: the learning rate's warmup under `local`, none
-  under `diloco`), then stop: a `tf.cond` on one variable (`hvdtrain.gate`) skips the allreduce, and
-  each rank steps with its own batch, with the same learning rate (x ranks) as the
-  synchronous run.
+  under `diloco`), then stop: a `tf.cond` on one variable (`hvdtrain.gate`) skips the
+  allreduce, and each rank steps with its own batch, with the same learning rate (x ranks)
+  as the synchronous run.
 - **Exchanges.** After every H-th step of an epoch (H = `--sync-every`), at each epoch's end,
   before a mid-epoch checkpoint and when training stops, every rank sends its change since
   the last exchange (the anchor minus its weights: float16 on the wire with
