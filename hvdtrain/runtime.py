@@ -102,7 +102,7 @@ def _whole_lines():
     images) `print("a", 1)` writes "a", " ", "1" and the newline one by one, and a launcher
     that tags each rank's output (`[1,0]<stdout>:`) split the line between ranks' writes.
     Line buffering flushes at each newline: output as prompt, one write per line."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.__stdout__, sys.__stderr__):  # the process's own, not a capture's
         if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
             try:
                 stream.reconfigure(write_through=False, line_buffering=True)

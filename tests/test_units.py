@@ -239,7 +239,7 @@ def test_unbuffered_streams_write_whole_lines(monkeypatch):
             return len(b)
 
     stream = io.TextIOWrapper(io.BufferedWriter(Raw(), 1), write_through=True)
-    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "__stdout__", stream)
     runtime._whole_lines()
     print("rank", 1, "says", "hello", file=stream)
     assert Raw.writes == [b"rank 1 says hello\n"]
