@@ -100,6 +100,11 @@ class Exchange:
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self._exchange_fn = None
 
+    def holders(self):
+        """{name: the state this run keeps beside the model and its optimizers}: DiLoCo's
+        outer momentum, checkpointed (where a checkpoint holds it), broadcast, committed."""
+        return {"exchange_outer": self.outer} if self.outer is not None else {}
+
     def begin(self, start_step, lr_warmup_steps):
         """At every (re)start, once every rank holds the same weights (broadcast, restored)."""
         default = lr_warmup_steps if self.mode == "local" else 0

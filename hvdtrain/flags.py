@@ -144,6 +144,17 @@ class TrainConfig:
         _check_sync(self)
 
 
+def float16_refused(c):
+    """The refusal of float16 (loss scaling) under `--sync local/diloco`: here for the flag,
+    in `hvdtrain.fit` for `auto`, which picks float16 on a GPU."""
+    return invalid_value(
+        "--mixed-precision",
+        c.mixed_precision,
+        f"bfloat16 with --sync {c.sync}: float16's loss scaling is agreed through the "
+        "gradients' exchange, which its local steps skip",
+    )
+
+
 def _check_sync(c):
     """The one-line refusals of `--sync` and its knobs (pure: `hvdtrain.exchange` runs them)."""
     if c.sync not in SYNC_MODES:
@@ -175,12 +186,7 @@ def _check_sync(c):
             "--sync-every, or --batch-size, gives what accumulating would)",
         )
     if c.mixed_precision == "float16":
-        raise invalid_value(
-            "--mixed-precision",
-            c.mixed_precision,
-            f"bfloat16 with --sync {c.sync}: float16's loss scaling is agreed through the "
-            "gradients' exchange, which its local steps skip",
-        )
+        raise float16_refused(c)
     spe, every = c.steps_per_execution, c.sync_every or SYNC_EVERY
     if spe is not None and every % spe:
         raise invalid_value(

@@ -69,7 +69,7 @@ from hvdtrain.errors import (
     TrainingDiverged,
     invalid_value,
 )
-from hvdtrain.flags import make_config
+from hvdtrain.flags import float16_refused, make_config
 from hvdtrain.logs import get_logger
 
 __all__ = ["fit", "resume_step"]
@@ -173,10 +173,7 @@ class Built:
     def state_holders(self):
         """The optimizers and what else holds training state beside the model (DiLoCo's
         outer momentum), by name: broadcast, checkpointed and committed together."""
-        out = dict(self.optimizers.by_name)
-        if self.exchange is not None and self.exchange.outer is not None:
-            out["exchange_outer"] = self.exchange.outer
-        return out
+        return {**self.optimizers.by_name, **(self.exchange.holders() if self.exchange else {})}
 
     @property
     def reported(self):
@@ -265,12 +262,7 @@ class Run:
         if cfg.sync != "step":  # the ranks exchange at an execution's end
             spe = exchange.fitting_steps_per_execution(spe, cfg.sync_every or exchange.SYNC_EVERY)
             if policy == "mixed_float16":  # --mixed-precision auto on a GPU
-                raise invalid_value(
-                    "--mixed-precision",
-                    cfg.mixed_precision,
-                    f"bfloat16 with --sync {cfg.sync}: float16's loss scaling is agreed through "
-                    "the gradients' exchange, which its local steps skip",
-                )
+                raise float16_refused(cfg)
         if spe > 1 and usercallbacks.own_batch_hooks(self.user_callbacks):
             self.log.warning(
                 "a callback of yours has batch hooks: Keras calls them once every %d steps (at "
@@ -289,13 +281,12 @@ class Run:
         ex = exchange.Exchange(cfg, model, optimizers) if cfg.sync != "step" else None
         manager = None
         if cfg.checkpoint_dir:
-            outer = {"exchange_outer": ex.outer} if ex is not None and ex.outer else None
             manager = CheckpointManager(
                 cfg.checkpoint_dir,
                 model,
                 optimizers.by_name,
                 keep=cfg.keep_checkpoints,
-                optional=outer,
+                optional=ex.holders() if ex else None,
             )
         self.built = Built(k, model, optimizers, policy, spe, manager, ex)
 
