@@ -55,6 +55,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import stall
 from hvdtrain.data import Data
 from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
 
@@ -612,7 +613,7 @@ class BatchData(Data):
             gen = indexed
         else:
             gen = function if src.function else stream
-        ds = tf.data.Dataset.from_generator(self._kept(gen), output_signature=self.signature)
+        ds = tf.data.Dataset.from_generator(self._kept(gen, src), output_signature=self.signature)
         # Loader workers load ahead themselves (`max_queue_size`), as under Keras.
         parallel = isinstance(src, _Indexed) and src.parallel()
         return ds.prefetch(1 if parallel else tf.data.AUTOTUNE)
@@ -625,12 +626,21 @@ class BatchData(Data):
             every_rank=False,
         )
 
-    def _kept(self, gen):
-        """`gen` with the error it meets kept for `explain` (tf.data hides its type)."""
+    def _kept(self, gen, src):
+        """`gen` with the error it meets kept for `explain` (tf.data hides its type), and
+        each batch's wait told to the watchdog: this thread runs `src`'s code (or waits for
+        its loaders) on its own, so a rank stuck there is named for it (`stall.busy`)."""
+        doing = f"loading a batch of your data ({src.name}, your code)"
 
         def run():
             try:
-                yield from gen()
+                batches, end = gen(), object()
+                while True:
+                    with stall.busy(doing):
+                        batch = next(batches, end)
+                    if batch is end:
+                        return
+                    yield batch
             except HvdtrainError as e:
                 self.failure = HvdtrainError(str(e), every_rank=False)
                 raise
@@ -664,7 +674,7 @@ class BatchData(Data):
                 yield batch
 
         gen = indexed if isinstance(src, _Indexed) else function
-        ds = tf.data.Dataset.from_generator(self._kept(gen), output_signature=signature)
+        ds = tf.data.Dataset.from_generator(self._kept(gen, src), output_signature=signature)
         if isinstance(src, _Indexed):  # of known length: Keras need not count it
             ds = ds.apply(
                 tf.data.experimental.assert_cardinality(len(range(p.rank, len(src), p.size)))

@@ -17,6 +17,8 @@ import os
 import re
 import socket
 import sys
+import sysconfig
+import traceback
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -217,6 +219,12 @@ def _name_failures(rank):
 
     def hook(kind, value, tb):
         consequence = _because_of_another_rank(str(value))
+        yours = None if consequence else your_frame(tb)
+        if yours:  # hvdtrain-run shows the traceback once when ranks print it alike
+            write_line(
+                f"hvdtrain: the error below was raised in your code: {yours.name} "
+                f"({os.path.basename(yours.filename)}:{yours.lineno})"
+            )
         if not consequence:
             previous(kind, value, tb)
         if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
@@ -237,6 +245,34 @@ def _name_failures(rank):
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook
+
+
+_LIBRARIES = None
+
+
+def your_frame(tb):
+    """The innermost frame of traceback `tb` in the user's code (a `FrameSummary`), if the
+    error came from there: a function of the user's (not the standard library's, an
+    installed package's, hvdtrain's or code TensorFlow generated) that raised it or called
+    the library that did, but not one that called hvdtrain (`hvdtrain.fit` from `main`), nor
+    a script's top level."""
+    global _LIBRARIES
+    if _LIBRARIES is None:
+        paths = sysconfig.get_paths()
+        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    deeper = None
+    for frame in reversed(traceback.extract_tb(tb)):
+        if frame.filename.startswith("<"):  # code made at run time (a dataclass's __init__)
+            continue
+        path = os.path.realpath(frame.filename)
+        library = path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
+        if not library:
+            called_us = deeper is not None and deeper.startswith(ours)
+            return None if called_us or frame.name == "<module>" else frame
+        deeper = path
+    return None
 
 
 def _cause(message):

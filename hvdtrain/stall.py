@@ -5,6 +5,7 @@ steps tell what they are doing (`holding`, `waiting`), so that a stuck rank name
 Nothing here imports TensorFlow or Horovod.
 """
 
+import contextlib
 import os
 import re
 
@@ -39,6 +40,24 @@ def doing(what):
     that wait for it (twice the time) do."""
     if _latest and _latest[0]._thread is not None:
         _latest[0].beat(what)
+
+
+@contextlib.contextmanager
+def busy(what):
+    """Tells this process's watchdog (if running) that this thread is in `what` on its own
+    (one timeout) until the block ends, beside whatever the training thread tells it: for
+    a user's data code, which runs in tf.data's or a loader's thread while the training
+    thread waits inside a step (twice the time), so that a rank stuck loading its data is
+    the one named, and named for that."""
+    dog = _latest[0] if _latest and _latest[0]._thread is not None else None
+    if dog is None:
+        yield
+        return
+    key = dog.enter(what)
+    try:
+        yield
+    finally:
+        dog.leave(key)
 
 
 def waiting(what):
@@ -88,8 +107,12 @@ def stall_settings(environ, shutdown_seconds=None):
             else `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
 
     Returns:
-        {name: value} to set; the warning time is min(60, shutdown / 2), at least 1, since
-        Horovod ignores a shutdown time below the warning time.
+        {name: value} to set; the warning time (also how often rank 0 checks) is min(60,
+        shutdown / 5), at least 1. A stalled tensor that Horovod had cached waits up to two
+        checks before it is timed, then the shutdown time and one check more: at most 1.6
+        times the shutdown time, before the watchdog of a rank that waits inside a step
+        (twice the time), so that Horovod's check, which knows the missing rank, ends the
+        job and names it.
     """
     if shutdown_seconds is None:
         text = environ.get(_STALL_ENV, "").strip()
@@ -100,7 +123,9 @@ def stall_settings(environ, shutdown_seconds=None):
     if _STALL_CHECK in environ:
         warning = _env_int(environ[_STALL_CHECK], STALL_WARNING_SECONDS)
     else:
-        warning = max(1, min(STALL_WARNING_SECONDS, shutdown // 2 or STALL_WARNING_SECONDS))
+        warning = STALL_WARNING_SECONDS
+        if shutdown:
+            warning = max(1, min(warning, shutdown // 5))
         out[_STALL_CHECK] = str(warning)
     if _STALL_SHUTDOWN not in environ:
         out[_STALL_SHUTDOWN] = str(max(shutdown, warning) if shutdown else 0)

@@ -72,6 +72,7 @@ class Watchdog:
         self.rank = rank
         self.on_timeout = on_timeout or _end_process
         self._last = (time.monotonic(), "started", self.timeout)
+        self._busy = {}  # what other threads do on their own (`enter`): {key: (since, what)}
         self._stop = threading.Event()
         self._thread = None
 
@@ -85,6 +86,16 @@ class Watchdog:
         for the first step of `fit`, which traces and compiles the model: minutes for a
         large one)."""
         self._last = (time.monotonic(), what, self.timeout * factor)
+
+    def enter(self, what):
+        """Records that the calling thread began `what` on its own (one timeout), beside the
+        training thread's beats, until `leave(key)`; returns the key."""
+        key = object()
+        self._busy[key] = (time.monotonic(), what)
+        return key
+
+    def leave(self, key):
+        self._busy.pop(key, None)
 
     def start(self, what="started", timed=True):
         """Starts (or restarts) watching from now; `timed=False` starts with `hold`."""
@@ -107,12 +118,17 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
+        self._busy.clear()
 
     def _run(self):
         poll = min(1.0, self.timeout / 4)
         while not self._stop.wait(poll):
+            now = time.monotonic()
             since, what, limit = self._last
-            idle = time.monotonic() - since
+            for began, doing in list(self._busy.values()):
+                if now - began - self.timeout > now - since - limit:
+                    since, what, limit = began, doing, self.timeout
+            idle = now - since
             if idle > limit:
                 self.on_timeout(
                     f"hvdtrain: rank {self.rank} made no progress for {idle:.0f} s "

@@ -239,7 +239,9 @@ def test_the_exit_codes_of_the_page_are_the_code_s():
                       (4, errors.OutputsNotWritten), (5, errors.HostUnreachable),
                       (6, RanksDisagree)):  # fmt: skip
         assert cls.exit_code == code and f"; {code} " in codes, (code, cls)
-    assert EXIT_CODE == 124 and "; 124 a rank's watchdog ended it" in codes
+    from hvdtrain.launcher.failures import STALLED
+
+    assert EXIT_CODE == STALLED == 124 and "; 124 a rank made no progress" in codes
 
 
 EXITS_3 = """import os, sys

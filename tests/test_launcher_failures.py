@@ -238,3 +238,121 @@ def test_only_the_launchers_host_leaves_its_last_line(tmp_path, monkeypatch):
     monkeypatch.setenv(ENDING_HOST_ENV, socket.gethostname())
     note_ending("hvdtrain: rank 0 made no progress\n")
     assert [p.read_text() for p in tmp_path.iterdir()] == ["hvdtrain: rank 0 made no progress\n"]
+
+
+def _traceback(tag, rank, error="ValueError: bad pixel"):
+    body = [
+        "hvdtrain: the error below was raised in your code: parse (train.py:12)",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 12, in parse',
+        "    raise ValueError('bad pixel')",
+        error,
+    ]
+    return [f"{tag}{line}\n" for line in body] + [
+        f"{tag}hvdtrain: rank {rank} failed: {error} (last: in step 3)\n"
+    ]
+
+
+def test_a_traceback_every_rank_prints_alike_is_shown_once():
+    """Each rank's block is held until hvdtrain's last line (interleaved here, as mpirun
+    forwards them); the second alike becomes one line, its own last line kept."""
+    from hvdtrain.launcher.failures import _Repeats
+
+    r0, r1 = _traceback("[1,0]<stderr>:", 0), _traceback("[1,1]<stderr>:", 1)
+    f = OutputFilter()
+    out = []
+    for a, b in zip(r0, r1, strict=True):
+        out += f.feed(a) + f.feed(b)
+    assert out == r0 + [
+        "[1,1]<stderr>:(the same traceback as rank 0's above)\n",
+        r1[-1],
+    ]
+    # Another error on rank 1 is shown whole; other lines pass at once.
+    other = _traceback("[1]<stderr>:", 1, "KeyError: 'label'")
+    gloo = _traceback("[0]<stderr>:", 0)
+    f = OutputFilter()
+    lines = gloo + ["[1]<stderr>:epoch 1/5\n"] + other
+    shown = [x for line in lines for x in f.feed(line)]
+    assert shown == gloo + ["[1]<stderr>:epoch 1/5\n"] + other
+    # A traceback that did not end its process: shown after the hold, or at the end.
+    now = [0.0]
+    repeats = _Repeats(clock=lambda: now[0])
+    held = ["[0]<stderr>:Traceback (most recent call last):\n", "[0]<stderr>:KeyError: 1\n"]
+    assert [x for line in held for x in repeats.feed(line)] == []
+    now[0] = 6.0
+    assert repeats.feed("[1]<stderr>:epoch 2/5\n") == held + ["[1]<stderr>:epoch 2/5\n"]
+    assert repeats.feed(held[0]) == [] and repeats.flush() == held[:1]
+
+
+def test_the_first_line_names_your_function(tmp_path):
+    """The innermost frame of the user's own code, unless it only called hvdtrain or is a
+    script's top level."""
+    import json
+    import sys
+
+    from hvdtrain import flags
+    from hvdtrain.runtime import your_frame
+
+    def parse(x):
+        return int(x)
+
+    def caught(fn):
+        try:
+            fn()
+        except Exception:
+            return your_frame(sys.exc_info()[2])
+
+    assert caught(lambda: parse("x")).name == "parse"  # raised by the builtin it called
+    assert caught(lambda: json.loads("{")).name == "<lambda>"  # in the standard library
+    assert caught(lambda: flags.TrainConfig(epochs=-1)) is None  # hvdtrain's own error
+    script = tmp_path / "train.py"
+    script.write_text("int('z')\n")
+    top = compile(script.read_text(), str(script), "exec")
+    assert caught(lambda: exec(top, {})) is None  # a script's top level
+
+
+def test_elastic_names_the_worker_by_its_host():
+    """Elastic horovodrun names a process `host[local rank]`: the host, not a rank 127."""
+    elastic = GLOO.replace("Process name: 1", "Process name: 127.0.0.1[0]").replace("137", "124")
+    failure = find_failure(elastic.splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.code) == (None, "127.0.0.1", 124)
+    assert explain(failure).startswith("a worker on host 127.0.0.1 failed first: exit status 124")
+
+
+# A rank stuck inside a step (tests/workers/stuck_rank.py step, hvdtrain-run --backend mpi, a
+# 10 s stall time): rank 0's Horovod names it, then mpirun names rank 0, which only stopped.
+MPI_STALL = """\
+[1,0]<stderr>:[2026-11-28 08:45:51.696601: E /tmp/horovod-0.28.1/horovod/common/stall_inspector.cc:105] One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for remainder of ranks for more than 2 seconds. This may indicate that different ranks are trying to submit different tensors or that only subset of ranks is submitting tensors, which will cause deadlock. 
+[1,0]<stderr>:Missing ranks:
+[1,0]<stderr>:1!: [PartitionedCall/DistributedSGD_Allreduce/cond/then/_7/DistributedSGD_Allreduce/cond/HorovodAllreduce_grads_0]
+[1,0]<stderr>:One or more rank (marked by "!") is stalled for longer than 10 seconds. Will shutdown.[1,0]<stderr>:
+[1,0]<stderr>:hvdtrain: rank 0 stopped: Horovod was shut down because another rank failed, exited or stalled, or its host was lost (see its error) (last: in step 3 of epoch 2 (input, forward, backward, gradient allreduce with the other ranks))
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[31067,1],0]
+  Exit code:    1
+--------------------------------------------------------------------------
+"""  # noqa: E501, W291
+
+
+def test_horovods_stall_check_names_the_stuck_rank_not_the_first_to_exit():
+    failure = find_failure(MPI_STALL.splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 124)
+    assert explain(failure, HOSTS) == (
+        "rank 1 on host node2 stopped making progress first: the other ranks waited for it in "
+        "a collective for over 10 s, and Horovod's stall check ended the job (the time: "
+        "HVDTRAIN_STALL_SHUTDOWN_SECONDS); the job was ended"
+    )
+    # Several ranks past the time (Gloo's tag): each named, with its host.
+    two = MPI_STALL.replace("[1,0]<stderr>:1!: [", "[0]<stderr>:1!: [a]\n[0]<stderr>:2!: [")
+    failure = find_failure(two.splitlines(), HOSTS)
+    assert failure.stalled_ranks == (1, 2)
+    assert explain(failure, HOSTS).startswith(
+        "ranks 1 (host node2), 2 (host node2) stopped making progress first: the other ranks "
+        "waited for them"
+    )
+    # Warnings alone (no rank past the shutdown time yet) name nobody.
+    warned = MPI_STALL.replace("1!:", "1:").replace("Will shutdown.", "")
+    assert find_failure(warned.splitlines(), HOSTS).stalled is None

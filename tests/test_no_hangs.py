@@ -11,14 +11,15 @@ What ends each job (measured; see also hvdtrain/watchdog.py):
 - raise: the traceback, then `hvdtrain: rank 1 failed: ...` (hvdtrain.init's excepthook);
   the exiting rank shuts Horovod down, so the waiting rank fails too.
 - sleep: the rank's watchdog (`hvdtrain.WatchdogCallback`) after the stall time. Horovod's
-  own stall shutdown ends it under MPI too (test_horovod_stall_shutdown_under_mpi) but
-  never fires under Gloo: Horovod 0.28.1's GlooController only `reserve`s its
-  `global_ranks_` vector, so the stall inspector sees zero ranks to report.
+  own stall shutdown ends it too (test_horovod_stall_shutdown_under_mpi). Under Gloo it
+  never fired before hvdtrain's patch: Horovod 0.28.1's GlooController only `reserve`d its
+  `global_ranks_` vector, so the stall inspector saw zero ranks to report.
 """
 
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -108,26 +109,89 @@ def test_sleeping_rank_ends_the_job(backend, keras, tmp_path):
     assert "rank 0 made no progress" not in output  # the waiting rank is not blamed
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_rank_stuck_in_a_users_callback_is_the_one_named(backend, tmp_path):
-    """Rank 1 sleeps in its epoch-end callback, rank 0 waits in the next collective: rank 0's
-    watchdog fired first (both on twice the time) and `hvdtrain-run` blamed rank 0 under
-    Gloo; under MPI Horovod's stall shutdown ended the job without naming rank 1."""
+STUCK_STALL = 10  # Horovod then checks every 2 s (a fifth)
+# Where rank 1 stops (tests/workers/stuck_rank.py) and what its named line says; rank 0
+# waits for it in the next collective, twice the stall time on its watchdog.
+STUCK = {
+    # A user's epoch-end callback: hvdtrain beats the watchdog at one stall time there.
+    "callback": r"rank 1 made no progress for \d+ s \(last: in your callback Sleepy.on_epoch_end\)",
+    # A Sequence's __getitem__, in tf.data's thread (`stall.busy`, one stall time), while the
+    # training thread waits inside a step.
+    "data": r"rank 1 made no progress for \d+ s \(last: loading a batch of your data "
+            r"\(Batches, your code\)\)",
+    # Inside a step, before the gradients: Horovod's stall check (1.6 stall times at most)
+    # finds rank 1 missing from the allreduce and ends the job; under Gloo since the patch.
+    "step": r"Missing ranks:\s*(\[[\d,]+\]<stderr>:)?1!: \[",
+}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "where, backend",
+    [
+        ("callback", "gloo"),
+        ("callback", "mpi"),
+        ("data", "gloo"),
+        pytest.param("data", "mpi", marks=slow),
+        ("step", "mpi"),
+        pytest.param("step", "gloo", marks=slow),
+    ],
+)
+def test_the_stuck_rank_is_the_one_named(where, backend, tmp_path):
+    """Rank 1 stops in a user's callback, in its data's code or inside a step, rank 0 waits
+    in the next collective: `hvdtrain-run`'s summary names rank 1, never rank 0. Before:
+    rank 0's watchdog fired first under Gloo (both on twice the time) and was blamed, and
+    under MPI Horovod's stall shutdown ended the job without a rank named; inside a step
+    under Gloo, Horovod's stall check never ran (its controller counted no ranks)."""
     from conftest import BIN, job_env
 
     proc = subprocess.run(
         [f"{BIN}/hvdtrain-run", "--backend", backend, "-np", "2", "--", sys.executable,
-         worker("stuck_callback.py")],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path,
-        env=job_env(HVDTRAIN_STALL_SHUTDOWN_SECONDS=str(STALL)),
+         worker("stuck_rank.py"), where],
+        capture_output=True, text=True, timeout=200, cwd=tmp_path,
+        env=job_env(HVDTRAIN_STALL_SHUTDOWN_SECONDS=str(STUCK_STALL)),
     )  # fmt: skip
     output = proc.stdout + proc.stderr
+    assert f"rank 1: stuck ({where})" in output, output[-6000:]
     assert proc.returncode == 124, output[-6000:]
-    assert re.search(r"rank 1 made no progress for \d+ s \(last: in your callback "
-                     r"Sleepy.on_epoch_end\)", output), output[-6000:]  # fmt: skip
-    assert "hvdtrain-run: rank 1 on host localhost failed first: exit status 124" in output
+    by_watchdog = "hvdtrain-run: rank 1 on host localhost failed first: exit status 124 (it made"
+    by_horovod = (
+        "hvdtrain-run: rank 1 on host localhost stopped making progress first: the other ranks "
+        f"waited for it in a collective for over {STUCK_STALL} s, and Horovod's stall check "
+        "ended the job"
+    )
+    # Outside a step rank 1's watchdog (one stall time) and Horovod's check (one stall time
+    # after the waiting rank's collective, then the next check) both name it, whichever
+    # comes first; inside a step only Horovod's can (the watchdog gives a step two).
+    if where == "step" or by_horovod in output:
+        assert by_horovod in output and re.search(STUCK["step"], output), output[-6000:]
+    else:
+        assert by_watchdog in output, output[-6000:]
+    if where != "step" and by_watchdog in output:
+        assert re.search(STUCK[where], output), output[-6000:]
     assert "rank 0 made no progress" not in output
+    assert "rank 0 on host localhost" not in output
+
+
+@pytest.mark.timeout(200)
+def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(tmp_path):
+    """Both ranks raise in the user's callback: the first line names the function, the
+    traceback shows once, the other rank's is one line (`failures._Repeats`)."""
+    from conftest import BIN, job_env
+
+    proc = subprocess.run(
+        [f"{BIN}/hvdtrain-run", "--backend", "mpi", "-np", "2", "--", sys.executable,
+         worker("stuck_rank.py"), "raise"],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path, env=job_env(),
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-6000:]
+    assert output.count("Traceback (most recent call last):") == 1, output[-6000:]
+    assert re.search(r"<stderr>:\(the same traceback as rank [01]'s above\)", output), output
+    assert output.count("the error below was raised in your code: check_labels "
+                        "(stuck_rank.py:") == 1, output  # fmt: skip
+    for rank in (0, 1):
+        assert f"hvdtrain: rank {rank} failed: ValueError: labels out of range" in output
 
 
 @pytest.mark.timeout(300)
@@ -136,9 +200,9 @@ def test_horovod_stall_shutdown_under_mpi(tmp_path):
     Horovod marks the missing rank with `!` and shuts down."""
     proc, output, after = run_fault("mpi", tmp_path, "sleep", "--no-watchdog")
     assert proc.returncode != 0, output[-6000:]
-    # Horovod checks every 2 s (the warning time); a tensor waits one check as a cached
-    # one, then the shutdown time as an uncached one: about 5 + 2 x 2 s, plus cycles.
-    assert STALL <= after < 3 * STALL + SLACK, output[-6000:]
+    # Horovod checks every second (the warning time, a fifth of the shutdown time); a
+    # tensor waits up to two checks as a cached one, then the shutdown time and a check.
+    assert STALL <= after < 2 * STALL + SLACK, output[-6000:]
     assert re.search(r"Missing ranks:\s*\S*1!: \[", output), output[-6000:]
     assert f"stalled for longer than {STALL} seconds. Will shutdown." in output
 
@@ -185,11 +249,12 @@ def test_stall_settings():
 
     check, shutdown = "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
     assert stall_settings({}) == {check: "60", shutdown: "300"}
-    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}) == {check: "2", shutdown: "5"}
+    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}) == {check: "1", shutdown: "5"}
     assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}, 90) == {
-        check: "45",
+        check: "18",
         shutdown: "90",
     }
+    assert stall_settings({}, 4) == {check: "1", shutdown: "4"}
     assert stall_settings({}, 0) == {check: "60", shutdown: "0"}  # off
     # What the user set (e.g. horovodrun --stall-check-*) wins; the shutdown is never
     # below the warning time, which Horovod would silently ignore.
@@ -251,6 +316,35 @@ def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
     assert _wait_for(lambda: fired)
     assert "(last: in a step)" in fired[0]
     dog.stop()
+
+
+def test_watchdog_names_a_threads_own_work_before_the_waiting_step():
+    """`stall.busy` from another thread (tf.data's, running a user's data code): one timeout,
+    while the training thread waits inside a step (two); named for it, then forgotten."""
+    from hvdtrain import stall
+    from hvdtrain.watchdog import Watchdog
+
+    fired = []
+    dog = Watchdog(0.3, rank=1, on_timeout=fired.append)
+    dog.start("again")
+    dog.beat("in a step", waiting=True)
+    done = threading.Event()
+
+    def load(seconds):
+        with stall.busy("loading a batch of your data"):
+            time.sleep(seconds)
+        done.set()
+
+    threading.Thread(target=load, args=(0.1,)).start()
+    assert done.wait(5) and not dog._busy  # left: forgotten
+    dog.beat("in a step", waiting=True)
+    threading.Thread(target=load, args=(30,), daemon=True).start()
+    assert _wait_for(lambda: fired)
+    assert "(last: loading a batch of your data)" in fired[0]
+    dog.stop()
+    assert not dog._busy  # stopping forgets it
+    with stall.busy("nothing runs"):  # no watchdog running: nothing recorded
+        assert not dog._busy
 
 
 def test_watchdog_stops_and_checks_its_timeout():

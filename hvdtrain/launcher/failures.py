@@ -7,6 +7,8 @@ processes exited ...`), and after the job prints `explain(...)`:
     hvdtrain-run: rank 1 on host node2 failed first: exit status 3 (training diverged); the
     job was ended
     hvdtrain-run: rank 1 on host node2 was killed by signal 9 (SIGKILL) first; the job was ended
+    hvdtrain-run: rank 1 on host node2 stopped making progress first: the other ranks waited
+    for it in a collective for over 300 s, and Horovod's stall check ended the job; ...
     hvdtrain-run: lost host node2 (rank 1): Open MPI lost its connection there (the host went
     down or its network did); the job was ended
     hvdtrain-run: lost host node2 (rank 1): it no longer answers ssh (...); the job was ended
@@ -23,6 +25,7 @@ Pure: tested on the launchers' real messages without running them.
 
 import re
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,16 +54,23 @@ EXIT_CODES = {
     3: "training diverged",
     4: "training finished but an output was not written",
     5: "a host could not be reached over ssh; nothing was started",
+    124: "it made no progress for the stall time: its line above says where it was",
     255: "a host was lost mid-run (its ssh connection or Open MPI's daemon there)",
 }
 # horovodrun's status for a rank whose ssh session ended with the host (killed, unplugged).
 SSH_LOST = 255
 _GLOO_ERROR = "RuntimeError: Horovod detected that one or more processes exited with non-zero"
-_NAME = re.compile(r"Process name:\s*(?:\[\[\d+,\d+\],(\d+)\]|(\d+))")
+# mpirun's [[job,step],rank], horovodrun's rank, or elastic horovodrun's host[local rank]
+_NAME = re.compile(r"Process name:\s*(?:\[\[\d+,\d+\],(\d+)\]|(\S+)\[\d+\]|(\d+))")
 _CODE = re.compile(r"Exit code:\s*(-?\d+)")
 _SIGNALED = re.compile(
     r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", re.IGNORECASE
 )
+# Horovod's stall check (rank 0's log): the ranks it found missing past the shutdown time,
+# marked `!`, one per line after "Missing ranks:" (with a launcher's tag before each).
+_STALL_SHUTDOWN = re.compile(r"is stalled for longer than (\d+) seconds\. Will shutdown")
+_STALLED = re.compile(r"(?<![\w,\[])(\d+)!: \[")
+STALLED = 124  # as the watchdog's exit status: the job was ended for taking too long
 # A rank is ending: hvdtrain's watchdog or error lines, mpirun's abort, Gloo's launcher.
 _ENDING = re.compile(
     r"hvdtrain: rank \d+ (made no progress|stopped)|the job has been aborted|MPI_ABORT was invoked"
@@ -90,6 +100,9 @@ class Failure:
     consequence: bool = False
     # hvdtrain's own error line was seen (`prog: error: ...`): statuses 2 to 4 are its own.
     said: bool = True
+    # Horovod's stall check ended the job: the seconds, and every rank it found stalled.
+    stalled: int | None = None
+    stalled_ranks: tuple = ()
 
     @property
     def exit_code(self):
@@ -102,6 +115,60 @@ class Failure:
         if self.code is not None and self.code < 0:
             return 128 - self.code
         return self.code or None
+
+
+_TAGGED = re.compile(r"(\[(?:\d+,)?(\d+)\]<stderr>:)(.*)", re.DOTALL)  # [job,rank] or [rank]
+_TRACEBACK_STARTS = ("Traceback (most recent call last):", "hvdtrain: the error below")
+_TRACEBACK_ENDS = re.compile(r"hvdtrain: rank \d+ (failed|stopped):")
+REPEAT_HOLD_SECONDS = 5  # a rank's traceback without hvdtrain's last line: shown after this
+
+
+class _Repeats:
+    """Shows a traceback that several ranks print alike once. A rank's block (from its
+    `Traceback` line, or hvdtrain's line before it, to hvdtrain's `rank N failed:` line) is
+    held until that last line, a few milliseconds, then shown, or, when another rank showed
+    the same block line for line, replaced by one line naming that rank. A block that never
+    gets hvdtrain's line (a traceback that did not end the process) is shown as it was
+    after `REPEAT_HOLD_SECONDS`, at the next line of the job's output, or at its end."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.shown = {}  # the bodies of each complete block shown: the rank that showed it
+        self.open = {}  # tag: (rank, since, the lines held)
+
+    def feed(self, line):
+        out = self._expired()
+        m = _TAGGED.fullmatch(line)
+        if not m:
+            return out + [line]
+        tag, rank, body = m.groups()
+        if tag not in self.open:
+            if not body.startswith(_TRACEBACK_STARTS):
+                return out + [line]
+            self.open[tag] = (rank, self.clock(), [])
+        held = self.open[tag][2]
+        held.append(line)
+        if not _TRACEBACK_ENDS.match(body):
+            return out
+        del self.open[tag]
+        key = tuple(_TAGGED.fullmatch(h).group(3) for h in held[:-1])
+        first = self.shown.setdefault(key, rank)
+        if first == rank:
+            return out + held
+        return out + [f"{tag}(the same traceback as rank {first}'s above)\n", line]
+
+    def _expired(self):
+        now, out = self.clock(), []
+        for tag, (_, since, held) in list(self.open.items()):
+            if now - since > REPEAT_HOLD_SECONDS:
+                out += held
+                del self.open[tag]
+        return out
+
+    def flush(self):
+        held = [line for _, _, lines in self.open.values() for line in lines]
+        self.open = {}
+        return held
 
 
 class OutputFilter:
@@ -119,6 +186,7 @@ class OutputFilter:
         self._held = []  # a traceback of the launcher's own, until its last line tells
         self._tail = 0  # the lines after the Gloo error that belong to it
         self.elastic, self.cooldown, self.quiet = elastic, cooldown, quiet
+        self._repeats = _Repeats()
 
     def feed(self, line):
         """The lines to print now for `line` (read from the launcher)."""
@@ -145,12 +213,12 @@ class OutputFilter:
         if line.startswith("Traceback (most recent call last):"):
             self._held = [line]
             return []
-        return [line]
+        return self._repeats.feed(line)
 
     def flush(self):
         """Whatever is held back when the launcher's output ends."""
         held, self._held = self._held, []
-        return held
+        return held + self._repeats.flush()
 
 
 def find_failure(lines, hosts=()):
@@ -161,15 +229,23 @@ def find_failure(lines, hosts=()):
     lost = _LOST.search(text)
     if lost:
         return Failure(lost_host=(lost.group(1) or lost.group(2)).rstrip(".,"))
+    stall = _STALL_SHUTDOWN.search(text)
+    stalled = sorted({int(r) for r in _STALLED.findall(text)}) if stall else []
     signaled = _SIGNALED.search(text)
-    if signaled:
+    if stalled:  # the other ranks' errors followed from it
+        found = Failure(stalled[0], code=STALLED, said=False)
+        found.stalled, found.stalled_ranks = int(stall.group(1)), tuple(stalled)
+    elif signaled:
         found = Failure(int(signaled.group(1)), signaled.group(2), signal=int(signaled.group(3)))
     else:
         name, code = _NAME.search(text), _CODE.search(text)
         if name and code:
-            found = Failure(int(name.group(1) or name.group(2)), code=int(code.group(1)))
+            rank = name.group(1) or name.group(3)
+            found = Failure(
+                int(rank) if rank else None, host=name.group(2), code=int(code.group(1))
+            )
             found = _first_to_fail(found, text)
-    if found:
+    if found and not found.stalled:
         found.said = ": error: " in text
     if found and found.host is None and found.rank is not None and found.rank < len(hosts):
         found.host = hosts[found.rank]
@@ -203,8 +279,22 @@ def explain(failure, hosts=()):
             "host went down or its network did); the job was ended. `hvdtrain-run doctor` "
             "checks the hosts before a new launch."
         )
-    who = f"rank {failure.rank}" + (f" on host {failure.host}" if failure.host else "")
+    who = "a worker" if failure.rank is None else f"rank {failure.rank}"  # elastic: by host
+    who += f" on host {failure.host}" if failure.host else ""
     code = failure.exit_code
+    if failure.stalled:
+        many = len(failure.stalled_ranks) > 1
+        if many:  # each with its host, where known
+            who = "ranks " + ", ".join(
+                f"{r}" + (f" (host {hosts[r]})" if r < len(hosts) else "")
+                for r in failure.stalled_ranks
+            )
+        return (
+            f"{who} stopped making progress first: the other ranks waited for "
+            f"{'them' if many else 'it'} in a collective for over "
+            f"{failure.stalled} s, and Horovod's stall check ended the job (the time: "
+            "HVDTRAIN_STALL_SHUTDOWN_SECONDS); the job was ended"
+        )
     if code == SSH_LOST:
         return (
             f"{who} was lost first: exit status 255, ssh's when its connection ends (the host "
