@@ -20,6 +20,7 @@ from hvdtrain.exchange import exchange_due, fitting_steps_per_execution
 from hvdtrain.flags import make_config
 
 CHECKS = worker("exchange_checks.py")
+RECIPE = worker("recipe.py")
 
 
 def test_exchanges_fall_every_h_steps_of_an_epoch_and_at_its_end():
@@ -147,3 +148,35 @@ def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_
         2 * trainable + 4 * (2 * trainable + 2 * 16)
     )
     assert d["status"] == "finished" and len({r["weights_digest"] for r in d["ranks"]}) == 1
+
+
+@pytest.mark.parametrize(
+    "data, sync, keras", [("tfrecord", "local", "2"), ("batches", "diloco", "3")]
+)
+def test_data_from_files_and_from_python_under_exchanging_less(
+    data, sync, keras, shared_jobs, tmp_path
+):
+    """A user's recipe (tests/workers/recipe.py: BatchNorm, AUC) on TFRecord files of uneven
+    sizes with a test set of unknown length, and on a `Sequence` (Keras 2) or `PyDataset`
+    (Keras 3), with mid-epoch checkpoints, then resumed to a second epoch in the process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    recipe.write_tfrecords(str(tmp_path / "files"), "train", [50, 130, 200, 220], seed=0)
+    recipe.write_tfrecords(str(tmp_path / "files"), "test", [40, 61], seed=1)
+    m = tmp_path / "m.json"
+    shared_jobs.get(2, "gloo").run(
+        "recipe:main",
+        argv=["--data", data, "--files", str(tmp_path / "files"), "--epochs", "1",
+              "--then-epochs", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--checkpoint-every", "6", "--metrics-json", str(m), "--eval-batch-size", "8",
+              "--keras", keras, "--sync", sync, "--sync-every", "4"],
+    )  # fmt: skip
+    out = json.loads(m.read_text())
+    assert out["status"] == "finished" and out["epochs"] == 2
+    assert out["resumed_from"]["epoch"] == 1 and out["test_samples"] == 101
+    assert len({r["weights_digest"] for r in out["ranks"]}) == 1, out["ranks"]
+    assert out["sync"]["mode"] == sync and out["sync"]["exchanges"] > 0
+    assert all(len(values) == 2 for values in out["history"].values()), out["history"]
