@@ -121,7 +121,7 @@ quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel 
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
 quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
-"$venv/bin/python" -c 'import numpy, tensorflow, horovod.tensorflow.keras, mpi4py, hvdtrain' \
+"$venv/bin/python" -c 'import hvdtrain, numpy, tensorflow, horovod.tensorflow.keras, mpi4py' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"
 echo "setup_host: ready ($venv: $("$venv/bin/python" -V), TensorFlow $tf_version)"
