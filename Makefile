@@ -2,7 +2,7 @@
 #   make train   # installs what is missing, then trains MNIST on 2 ranks of this host
 #   make test    # installs what is missing, then lint + the test suite but its slow scenarios
 #   make test-slow   # the slow scenarios (pytest -m slow); CI (.ci/run) runs both
-#   make test-fast   # the inner loop: lint + the tests that start no process (about 1 min)
+#   make test-fast   # the inner loop: lint + the tests that start no process (about 2 min)
 # A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
 #   TF_VERSION=2.15.1 make test   # the 2023 stack (TensorFlow 2.15.1, Python 3.11) in .venv-tf2.15.1
 #   PYTHON=python3.12 make test   # that interpreter rather than the newest fitting one
