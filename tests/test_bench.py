@@ -592,6 +592,18 @@ def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
         ("diloco H=4", ["--sync", "diloco", "--sync-every", "4"]),
         ("diloco H=16", ["--sync", "diloco", "--sync-every", "16"]),
     ]
+    assert plan([16], ["diloco"], [("1", "0.5")]) == [
+        ("step", []),
+        ("diloco H=16 outer 1/0.5", ["--sync", "diloco", "--sync-every", "16", "--outer-lr",
+                                     "1", "--outer-momentum", "0.5"]),
+    ]  # fmt: skip
+    from hvdtrain.bench.accuracy import _outers
+    from hvdtrain.errors import HvdtrainError
+
+    assert _outers("0.7:0.9,1:0") == [("0.7", "0.9"), ("1", "0")] and _outers("") == []
+    for bad in ("1", "1:1", "0:0.5", "a:b", "1:0.5:2"):
+        with pytest.raises(HvdtrainError, match="--outer"):
+            _outers(bad)
     text = table({"step": [0.97, 0.98], "local H=4": [0.975, 0.965]})
     assert "| step | 2 | 97.50 % | 1.00 |  |" in text
     assert "| local H=4 | 2 | 97.00 % | 1.00 | -0.50 |" in text

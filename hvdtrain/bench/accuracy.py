@@ -4,6 +4,7 @@ several seeds; the mean and spread of the test accuracy per mode.
 
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --out out/accuracy
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --model convnet-bn --every 16
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --modes diloco --outer 1:0.5,1:0
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
 job (`hvdtrain-run --backend gloo -np 2`); `accuracy.json` (every run's figures) and
@@ -25,14 +26,31 @@ __all__ = ["main", "plan", "table"]
 PROG = "python -m hvdtrain.bench.accuracy"
 
 
-def plan(every, modes=("local", "diloco")):
-    """The modes to run: [(label, flags)], the synchronous one first. Pure."""
+def plan(every, modes=("local", "diloco"), outers=()):
+    """The modes to run: [(label, flags)], the synchronous one first; DiLoCo once per
+    (outer learning rate, outer momentum) of `outers`, or at its defaults. Pure."""
     out = [("step", [])]
     for mode in modes:
         for h in every:
             flags = ["--sync", mode, "--sync-every", str(h)]
-            out.append((f"{mode} H={h}", flags))
+            if mode != "diloco" or not outers:
+                out.append((f"{mode} H={h}", flags))
+                continue
+            for lr, momentum in outers:
+                out.append((f"{mode} H={h} outer {lr}/{momentum}",
+                            flags + ["--outer-lr", lr, "--outer-momentum", momentum]))  # fmt: skip
     return out
+
+
+def _outers(text):
+    """'0.7:0.9,1:0.5' -> [('0.7', '0.9'), ('1', '0.5')] (checked as numbers)."""
+    pairs = [tuple(part.split(":")) for part in text.split(",")] if text else []
+    try:
+        if not all(len(p) == 2 and float(p[0]) > 0 and 0 <= float(p[1]) < 1 for p in pairs):
+            raise ValueError
+    except ValueError:
+        raise invalid_value("--outer", text, "LR:MOMENTUM pairs, e.g. 0.7:0.9,1:0.5") from None
+    return pairs
 
 
 def table(results):
@@ -59,7 +77,13 @@ def _run(argv):
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--modes", default="local,diloco", help="of local, diloco")
+    p.add_argument("--outer", default="", help="DiLoCo's LR:MOMENTUM pairs, e.g. 1:0.5,1:0")
     args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"local", "diloco"}:
+        raise invalid_value("--modes", args.modes, "local, diloco or both: local,diloco")
+    outers = _outers(args.outer)
     if not os.path.isdir(args.data_dir):
         raise invalid_value("--data-dir", args.data_dir, "a folder with the MNIST IDX files")
     try:
@@ -71,7 +95,7 @@ def _run(argv):
     os.makedirs(args.out, exist_ok=True)
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     runs, results = [], {}
-    for label, flags in plan(every):
+    for label, flags in plan(every, modes, outers):
         for seed in range(args.seeds):
             metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
             argv = [run, "--backend", "gloo", "-np", "2", "--", sys.executable, "-m",
