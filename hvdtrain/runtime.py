@@ -237,7 +237,7 @@ def _name_failures(rank):
                 "or its host was lost (see its error)"
             )
         else:
-            cause = _cause(str(value))
+            cause = _cause(str(value)).removeprefix(f"{kind.__name__}: ")
             text = f"failed: {kind.__name__}" + (f": {cause[:300]}" if cause else "")
         line = f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}"
         note_ending(line + "\n")
@@ -280,6 +280,8 @@ def _cause(message):
     but for TensorFlow's op errors ("Graph execution error:", where the node was defined,
     the cause, then the node), the cause."""
     lines = [line.strip() for line in message.splitlines()]
+    if lines and lines[0] == "in user code:":  # a trace-time error: the frames, then it
+        return next((line for line in reversed(lines) if line), "")
     if lines and lines[0] == "Graph execution error:":
         causes = [
             line

@@ -195,6 +195,8 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
         self._beat(f"epoch {self._epoch} began")
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not self._armed and self.watchdog is not None:  # the collectives before it beat
+            self.watchdog.hold("the first training step (tracing and compiling)")
         self._beat(
             f"in step {batch + 1} of epoch {self._epoch} (input, forward, backward, "
             "gradient allreduce with the other ranks)",

@@ -267,6 +267,13 @@ def test_a_traceback_every_rank_prints_alike_is_shown_once():
         "[1,1]<stderr>:(the same traceback as rank 0's above)\n",
         r1[-1],
     ]
+    # What differs from process to process for the same code (the files autograph writes,
+    # object addresses) does not make two tracebacks different.
+    a = _traceback("[1,0]<stderr>:", 0, "File /tmp/__autograph_generated_filerz_lv0wh.py")
+    b = _traceback("[1,1]<stderr>:", 1, "File /tmp/__autograph_generated_fileq8xk2m1.py")
+    f = OutputFilter()
+    out = [x for line in a + b for x in f.feed(line)]
+    assert out == a + ["[1,1]<stderr>:(the same traceback as rank 0's above)\n", b[-1]]
     # Another error on rank 1 is shown whole; other lines pass at once.
     other = _traceback("[1]<stderr>:", 1, "KeyError: 'label'")
     gloo = _traceback("[0]<stderr>:", 0)

@@ -381,8 +381,14 @@ def test_watchdog_callback_times_steps_after_the_first():
 
     fired = []
     cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)
+    from hvdtrain import stall
+
     cb.on_train_begin()
     cb.on_epoch_begin(0)
+    # A collective at the epoch's start (the learning rates from rank 0) beats at 2 x 0.3 s;
+    # the first step after it still has its 10 x (in a loaded elastic job, both ranks'
+    # watchdogs fired while tracing it: the collective's limit had replaced the step's).
+    stall.waiting("taking rank 0's learning rates")
     cb.on_train_batch_begin(0)
     time.sleep(0.8)  # the first step (tracing) has 10 x 0.3 s
     assert not fired

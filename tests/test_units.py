@@ -199,6 +199,17 @@ def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
         "Could not interpret optimizer identifier: adma"
     )
 
+    @tf.function
+    def step(x):  # an error while tracing a user's code: TensorFlow lists the frames first
+        return x.no_such_method()
+
+    with pytest.raises(AttributeError) as raised:
+        step(tf.zeros(1))
+    assert str(raised.value).startswith("in user code:")
+    cause = _cause(str(raised.value))  # the tensor's class is named as TensorFlow's version has it
+    assert cause.startswith("AttributeError: '")
+    assert cause.endswith("object has no attribute 'no_such_method'")
+
 
 def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():
     from hvdtrain.runtime import gloo_hostname_problem

@@ -123,6 +123,15 @@ _TRACEBACK_ENDS = re.compile(r"hvdtrain: rank \d+ (failed|stopped):")
 REPEAT_HOLD_SECONDS = 5  # a rank's traceback without hvdtrain's last line: shown after this
 
 
+_PER_PROCESS = re.compile(r"__autograph_generated_file\w+|0x[0-9a-f]{6,}")
+
+
+def _same(body):
+    """A traceback line without what differs from process to process for the same code:
+    the names of the files TensorFlow's autograph writes, object addresses."""
+    return _PER_PROCESS.sub("~", body)
+
+
 class _Repeats:
     """Shows a traceback that several ranks print alike once. A rank's block (from its
     `Traceback` line, or hvdtrain's line before it, to hvdtrain's `rank N failed:` line) is
@@ -151,7 +160,7 @@ class _Repeats:
         if not _TRACEBACK_ENDS.match(body):
             return out
         del self.open[tag]
-        key = tuple(_TAGGED.fullmatch(h).group(3) for h in held[:-1])
+        key = tuple(_same(_TAGGED.fullmatch(h).group(3)) for h in held[:-1])
         first = self.shown.setdefault(key, rank)
         if first == rank:
             return out + held
