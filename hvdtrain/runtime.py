@@ -219,7 +219,8 @@ def _name_failures(rank):
 
     def hook(kind, value, tb):
         consequence = _because_of_another_rank(str(value))
-        yours = None if consequence else your_frame(tb)
+        plain = issubclass(kind, (KeyboardInterrupt, HvdtrainError))  # no traceback of yours
+        yours = None if consequence or plain else your_frame(tb)
         if yours:  # hvdtrain-run shows the traceback once when ranks print it alike
             write_line(
                 f"hvdtrain: the error below was raised in your code: {yours.name} "
@@ -227,7 +228,7 @@ def _name_failures(rank):
             )
         if not consequence:
             previous(kind, value, tb)
-        if issubclass(kind, (KeyboardInterrupt, HvdtrainError)):  # the latter: one line already
+        if plain:  # HvdtrainError: its one line is out already
             return
         last = stall.last_activity()
         where = f" (last: {last})" if last else ""
