@@ -156,10 +156,10 @@ def test_require_resume_refuses_a_folder_of_damaged_checkpoints(tmp_path):
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
     """Before the first collective (in the user's data function), rank 1 never returns.
-    Gloo: the run's watchdog, started at set-up, ends it after 10 stall times (here 3 s
-    each); it names itself before the waiting rank 0 gives up (12 stall times). MPI:
-    Horovod's stall shutdown acts first (after one stall time), marking rank 1 with `!`.
-    The whole job is bounded: 12 stall times (36 s) after the set-up began, and the start."""
+    Horovod's stall shutdown acts first (after one stall time), marking rank 1 with `!`,
+    under Gloo too since hvdtrain's patch (before, the run's watchdog ended it after 10
+    stall times there). The whole job is bounded: 12 stall times (36 s, when the waiting
+    rank's watchdog would give up) after the set-up began, and the start."""
     since = time.monotonic()
     proc = run_job(
         2,
@@ -170,10 +170,7 @@ def test_a_rank_stuck_loading_its_data_ends_the_job(tmp_path, backend):
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "rank 1: stalling while loading the data" in text
-    if backend == "gloo":
-        assert re.search(r"rank 1 made no progress for 3\d s \(last: set-up: preparing the", text)
-    else:
-        assert "1!: [HorovodAllgather]" in text and "rank 0 stopped: Horovod was shut down" in text
+    assert "1!: [HorovodAllgather]" in text and "rank 0 stopped: Horovod was shut down" in text
     assert os.listdir(tmp_path / "ckpt") == []
     took = time.monotonic() - since
     assert took < 36 + STARTUP, f"the stuck job took {took:.0f} s to end"
