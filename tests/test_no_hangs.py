@@ -11,7 +11,7 @@ What ends each job (measured; see also hvdtrain/watchdog.py):
 - raise: the traceback, then `hvdtrain: rank 1 failed: ...` (hvdtrain.init's excepthook);
   the exiting rank shuts Horovod down, so the waiting rank fails too.
 - sleep: the rank's watchdog (`hvdtrain.WatchdogCallback`) after the stall time. Horovod's
-  own stall shutdown ends it too (test_horovod_stall_shutdown_under_mpi). Under Gloo it
+  own stall shutdown ends it too (test_horovod_stall_shutdown_alone_ends_the_job). Under Gloo it
   never fired before hvdtrain's patch: Horovod 0.28.1's GlooController only `reserve`d its
   `global_ranks_` vector, so the stall inspector saw zero ranks to report.
 """
@@ -195,10 +195,11 @@ def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_horovod_stall_shutdown_under_mpi(tmp_path):
-    """Without the watchdog, hvdtrain.init's stall settings still end the job under MPI:
-    Horovod marks the missing rank with `!` and shuts down."""
-    proc, output, after = run_fault("mpi", tmp_path, "sleep", "--no-watchdog")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_horovod_stall_shutdown_alone_ends_the_job(backend, tmp_path):
+    """Without the watchdog, hvdtrain.init's stall settings still end the job: Horovod marks
+    the missing rank with `!` and shuts down (under Gloo since hvdtrain's patch)."""
+    proc, output, after = run_fault(backend, tmp_path, "sleep", "--no-watchdog")
     assert proc.returncode != 0, output[-6000:]
     # Horovod checks every second (the warning time, a fifth of the shutdown time); a
     # tensor waits up to two checks as a cached one, then the shutdown time and a check.
