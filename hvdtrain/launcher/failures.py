@@ -143,7 +143,7 @@ class _Repeats:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.shown = {}  # the bodies of each complete block shown: the rank that showed it
-        self.open = {}  # tag: (rank, since, the lines held)
+        self.open = {}  # tag: (rank, since, the lines held, their bodies as compared)
 
     def feed(self, line):
         out = self._expired()
@@ -154,28 +154,28 @@ class _Repeats:
         if tag not in self.open:
             if not body.startswith(_TRACEBACK_STARTS):
                 return out + [line]
-            self.open[tag] = (rank, self.clock(), [])
-        held = self.open[tag][2]
+            self.open[tag] = (rank, self.clock(), [], [])
+        _, _, held, bodies = self.open[tag]
         held.append(line)
         if not _TRACEBACK_ENDS.match(body):
+            bodies.append(_same(body))
             return out
         del self.open[tag]
-        key = tuple(_same(_TAGGED.fullmatch(h).group(3)) for h in held[:-1])
-        first = self.shown.setdefault(key, rank)
+        first = self.shown.setdefault(tuple(bodies), rank)
         if first == rank:
             return out + held
         return out + [f"{tag}(the same traceback as rank {first}'s above)\n", line]
 
     def _expired(self):
         now, out = self.clock(), []
-        for tag, (_, since, held) in list(self.open.items()):
+        for tag, (_, since, held, _) in list(self.open.items()):
             if now - since > REPEAT_HOLD_SECONDS:
                 out += held
                 del self.open[tag]
         return out
 
     def flush(self):
-        held = [line for _, _, lines in self.open.values() for line in lines]
+        held = [line for _, _, lines, _ in self.open.values() for line in lines]
         self.open = {}
         return held
 
