@@ -18,9 +18,13 @@ this module runs then. Under the other two:
   `--fp16-allreduce`), averaged over the ranks. `local` sets every rank's weights to the
   anchor minus that average (the ranks' mean weights); `diloco` gives the average to an outer
   Nesterov SGD (`--outer-lr`, `--outer-momentum`) that moves the anchor. The model's other
-  float variables (BatchNorm's moving statistics) and the optimizers' own float state (Adam's
-  moments, momentum) are averaged too, so after an exchange every rank holds the same model
-  and optimizer state: rank 0's checkpoint is the whole state and a resume is exact.
+  float variables (BatchNorm's moving statistics) are averaged at every exchange: after one,
+  every rank holds the same model.
+- **The optimizers' own state** (Adam's moments, momentum) stays each rank's own between
+  exchanges, as in both papers, and is averaged only where one state must stand for all:
+  at an epoch's end, before a checkpoint, when training stops (`now(whole=True)`). So rank
+  0's checkpoint is the whole state and a resume is exact, and the H-step exchange moves
+  the weights alone (a third of the bytes under Adam).
 - **Between exchanges** the ranks differ by design: the check that they agree
   (`hvdtrain.agreement`) runs after the run's first exchange, at epoch ends and before each
   checkpoint, all of them exchanges; an elastic run commits at exchanges only.
@@ -78,14 +82,16 @@ class Exchange:
         for opt in optimizers:
             getattr(opt, "inner_optimizer", opt)._hvdtrain_gate = self.gate
         self.weights = optim._tf_variables(model.trainable_variables)
-        # What is averaged as it is: the model's other float state (BatchNorm's statistics)
-        # and the optimizers' float state, but their step counters and learning rates.
+        # Averaged as they are: the model's other float state (BatchNorm's statistics) at
+        # every exchange; the optimizers' float state, but their step counters and learning
+        # rates, at whole ones only.
         self.state = [
             v for v in optim._tf_variables(model.non_trainable_variables) if v.dtype.is_floating
         ]
+        self.opt_state = []
         for opt in optimizers:
             lr = getattr(opt, "_learning_rate", None)
-            self.state += [
+            self.opt_state += [
                 v
                 for v in optim._tf_variables(opt.variables)
                 if v.dtype.is_floating and v is not getattr(lr, "value", lr)
@@ -94,11 +100,12 @@ class Exchange:
         self.anchor = [tf.Variable(v, trainable=False) for v in self.weights]
         self.outer = OuterState(self.weights) if self.mode == "diloco" else None
         self.warmup = 0  # synchronous steps first: set by `begin`
-        self.step = self.agreed = 0  # the global step now, and where the ranks last agreed
+        # The global step now, where the ranks' models last agreed, and their optimizers.
+        self.step = self.agreed = self.agreed_whole = 0
         self.exchanges = self.bytes = 0  # this process's, since the run began
         self.per_exchange = _bytes(self.weights, self.compression) + _bytes(self.state)
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
-        self._exchange_fn = None
+        self._exchange_fn = self._state_fn = None
 
     def holders(self):
         """{name: the state this run keeps beside the model and its optimizers}: DiLoCo's
@@ -113,14 +120,14 @@ class Exchange:
         self.gate.on.assign(self.syncing)
         for a, w in zip(self.anchor, self.weights, strict=True):
             a.assign(w)
-        self.step = self.agreed = start_step
+        self.step = self.agreed = self.agreed_whole = start_step
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
         Returns True after an exchange."""
         self.step = global_step
         if self.syncing:  # these steps averaged their gradients: in agreement
-            self.agreed = global_step
+            self.agreed = self.agreed_whole = global_step
             if global_step >= self.warmup:
                 self.syncing = False
                 self.gate.on.assign(False)
@@ -130,24 +137,34 @@ class Exchange:
         return False
 
     def in_agreement(self):
-        """True when the ranks hold the same state now (after an exchange, in the warmup)."""
+        """True when the ranks hold the same model now (after an exchange, in the warmup)."""
         return self.agreed == self.step
 
-    def now(self):
-        """Exchanges unless the ranks already agree (a collective: every rank calls it at the
-        same point). Returns True if it exchanged."""
-        if self.in_agreement():
-            return False
+    def now(self, whole=False):
+        """Exchanges unless the ranks' models already agree; with `whole`, also averages the
+        optimizers' state unless it agrees (a collective: every rank calls it at the same
+        point, with the same `whole`). Returns True if it exchanged the weights."""
         from hvdtrain import watchdog
 
-        watchdog.waiting(f"exchanging weights with the other ranks ({NAMES[self.mode]})")
-        if self._exchange_fn is None:  # one traced call: eager ops per variable cost more
-            self._exchange_fn = tf.function(self._exchange, autograph=False)  # than the bytes
-        self._exchange_fn()
-        self.bytes += self.per_exchange
-        self.exchanges += 1
-        self.agreed = self.step
-        return True
+        exchanged = not self.in_agreement()
+        averaging = whole and self.opt_state and self.agreed_whole != self.step
+        if exchanged or averaging:
+            watchdog.waiting(f"exchanging weights with the other ranks ({NAMES[self.mode]})")
+        if exchanged:
+            if self._exchange_fn is None:  # one traced call: eager ops per variable cost
+                self._exchange_fn = tf.function(self._exchange, autograph=False)  # more
+            self._exchange_fn()
+            self.bytes += self.per_exchange
+            self.exchanges += 1
+            self.agreed = self.step
+        if averaging:
+            if self._state_fn is None:
+                self._state_fn = tf.function(self._average_state, autograph=False)
+            self._state_fn()
+            self.bytes += _bytes(self.opt_state)
+        if whole:
+            self.agreed_whole = self.step
+        return exchanged
 
     def _exchange(self):
         from hvdtrain import optim
@@ -164,13 +181,10 @@ class Exchange:
                 a.assign_sub(lr * (d + mu * m))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
-        if self.state:
-            average = lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)  # noqa: E731
-            for v, value in zip(
-                self.state, optim.packed(self.state, "hvdtrain.exchange.state", average),
-                strict=True,
-            ):  # fmt: skip
-                v.assign(value)
+        _average_as_they_are(self.state, "hvdtrain.exchange.state")
+
+    def _average_state(self):
+        _average_as_they_are(self.opt_state, "hvdtrain.exchange.optimizers")
 
     def _average(self, tensor, name):
         return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
@@ -197,6 +211,17 @@ class Exchange:
             "bytes_per_exchange": self.per_exchange,
             "bytes_sent": self.bytes,
         }
+
+
+def _average_as_they_are(variables, name):
+    """Sets `variables` to their mean over the ranks (full precision), in one allreduce."""
+    if not variables:
+        return
+    from hvdtrain import optim
+
+    average = lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)  # noqa: E731
+    for v, value in zip(variables, optim.packed(variables, name, average), strict=True):
+        v.assign(value)
 
 
 def _bytes(tensors, compression=hvd.Compression.none):
@@ -237,7 +262,9 @@ class ExchangeCallback(tf.keras.callbacks.Callback):
             self._check()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.exchange.now():  # an epoch that a callback cut short
+        # One state for all (a checkpoint may follow), and the weights too after an epoch
+        # that a callback cut short.
+        if self.exchange.now(whole=True):
             self._check()
 
     def _check(self):

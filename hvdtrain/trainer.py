@@ -613,7 +613,7 @@ class Run:
         """Every rank, before a mid-epoch checkpoint: an exchange if one is due (`--sync
         local/diloco`), then the check that the ranks agree."""
         if self.built.exchange is not None:
-            self.built.exchange.now()
+            self.built.exchange.now(whole=True)
         agreement.check_weights_agree(self.built.model, "before a mid-epoch checkpoint")
 
     def _end_user_callbacks(self):

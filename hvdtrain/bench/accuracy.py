@@ -77,6 +77,9 @@ def _run(argv):
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--warmup-epochs", type=float, default=1.0,
+                   help="the learning rate's warmup in every mode, and local SGD's "
+                        "synchronous steps (under --epochs, or it never goes local)")  # fmt: skip
     p.add_argument("--modes", default="local,diloco", help="of local, diloco")
     p.add_argument("--outer", default="", help="DiLoCo's LR:MOMENTUM pairs, e.g. 1:0.5,1:0")
     args = p.parse_args(argv)
@@ -102,7 +105,7 @@ def _run(argv):
                     "hvdtrain.mnist", "--model", args.model, "--data-dir", args.data_dir,
                     "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                     "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
-                    *flags]  # fmt: skip
+                    "--warmup-epochs", str(args.warmup_epochs), *flags]  # fmt: skip
             proc = subprocess.run(argv, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise HvdtrainError(f"{label}, seed {seed} failed: {proc.stderr[-2000:]}")
@@ -115,9 +118,11 @@ def _run(argv):
             print(f"{label} seed {seed}: {100 * m['test_accuracy']:.2f} %", file=sys.stderr)
     text = table(results)
     header = (f"{args.model}, {args.epochs} epochs of 60,000 digits, -np 2 x batch "
-              f"{args.batch_size} (Gloo), {args.seeds} seeds; test on 10,000:\n\n")  # fmt: skip
+              f"{args.batch_size} (Gloo), warmup {args.warmup_epochs} epochs, {args.seeds} "
+              "seeds; test on 10,000:\n\n")  # fmt: skip
     with open(os.path.join(args.out, "accuracy.json"), "w") as f:
-        json.dump({"model": args.model, "epochs": args.epochs, "runs": runs}, f, indent=1)
+        keys = {"model": args.model, "epochs": args.epochs, "warmup_epochs": args.warmup_epochs}
+        json.dump({**keys, "runs": runs}, f, indent=1)
     with open(os.path.join(args.out, "accuracy.md"), "w") as f:
         f.write(header + text)
     print(header + text)
