@@ -221,12 +221,15 @@ def _name_failures(rank):
         consequence = _because_of_another_rank(str(value))
         plain = issubclass(kind, (KeyboardInterrupt, HvdtrainError))  # no traceback of yours
         yours = None if consequence or plain else your_frame(tb)
-        if yours:  # hvdtrain-run shows the traceback once when ranks print it alike
-            write_line(
-                f"hvdtrain: the error below was raised in your code: {yours.name} "
-                f"({os.path.basename(yours.filename)}:{yours.lineno})"
-            )
-        if not consequence:
+        same = None if consequence or plain else _printed_by(kind, value, tb, hook.hvdtrain_rank)
+        printed = f"; its traceback is the same as rank {same}'s" if same is not None else ""
+        if yours:
+            where = f"{yours.name} ({os.path.basename(yours.filename)}:{yours.lineno})"
+            below = "" if printed else " below"
+            write_line(f"hvdtrain: the error{below} was raised in your code: {where}{printed}")
+        elif printed:
+            write_line(f"hvdtrain: rank {hook.hvdtrain_rank}{printed}")
+        if not consequence and same is None:
             previous(kind, value, tb)
         if plain:  # HvdtrainError: its one line is out already
             return
@@ -246,6 +249,18 @@ def _name_failures(rank):
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook
+
+
+def _printed_by(kind, value, tb, rank):
+    """The rank of this job on this host that printed the same traceback, if one did
+    (`hvdtrain.tracebacks`): this one prints one line instead."""
+    from hvdtrain import tracebacks
+
+    key = tracebacks.job_key(os.environ)
+    if key is None:
+        return None
+    text = "".join(traceback.format_exception(kind, value, tb))
+    return tracebacks.first_to_raise(key, rank, text)
 
 
 _LIBRARIES = None

@@ -291,6 +291,25 @@ def test_a_traceback_every_rank_prints_alike_is_shown_once():
     assert repeats.feed(held[0]) == [] and repeats.flush() == held[:1]
 
 
+def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path):
+    """`hvdtrain.tracebacks`: each launcher's name for the job; the first rank publishes its
+    traceback, a later alike one gets that rank back, a different one prints its own."""
+    from hvdtrain.tracebacks import first_to_raise, job_key
+
+    assert job_key({"PMIX_NAMESPACE": "1556217857", "SLURM_JOB_ID": "7"}) == "1556217857"
+    gloo = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4242"}
+    assert job_key(gloo) == "10.0.0.1/4242"
+    assert job_key({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}) == "7/0"
+    assert job_key({"SLURM_JOB_ID": "7"}) is None and job_key({}) is None
+    text = "Traceback ...\n  File /tmp/__autograph_generated_file{}.py\nValueError: x\n"
+    assert first_to_raise("job", 1, text.format("ab12"), tmp_path) is None  # prints it
+    assert first_to_raise("job", 0, text.format("zz99"), tmp_path) == 1  # the same: one line
+    assert first_to_raise("job", 2, "KeyError: 'label'\n", tmp_path) is None  # its own
+    assert first_to_raise("other job", 0, text.format("ab12"), tmp_path) is None
+    assert [p.suffix for p in tmp_path.iterdir()] == [".traceback"] * 2  # nothing else left
+    assert first_to_raise("job", 0, text, tmp_path / "missing") is None  # no file: print
+
+
 def test_the_first_line_names_your_function(tmp_path):
     """The innermost frame of the user's own code, unless it only called hvdtrain or is a
     script's top level."""

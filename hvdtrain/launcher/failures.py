@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from hvdtrain.errors import invalid_value
 from hvdtrain.startup import is_startup_noise
+from hvdtrain.tracebacks import same_text
 
 __all__ = [
     "Failure",
@@ -123,15 +124,6 @@ _TRACEBACK_ENDS = re.compile(r"hvdtrain: rank \d+ (failed|stopped):")
 REPEAT_HOLD_SECONDS = 5  # a rank's traceback without hvdtrain's last line: shown after this
 
 
-_PER_PROCESS = re.compile(r"__autograph_generated_file\w+|0x[0-9a-f]{6,}")
-
-
-def _same(body):
-    """A traceback line without what differs from process to process for the same code:
-    the names of the files TensorFlow's autograph writes, object addresses."""
-    return _PER_PROCESS.sub("~", body)
-
-
 class _Repeats:
     """Shows a traceback that several ranks print alike once. A rank's block (from its
     `Traceback` line, or hvdtrain's line before it, to hvdtrain's `rank N failed:` line) is
@@ -158,7 +150,7 @@ class _Repeats:
         _, _, held, bodies = self.open[tag]
         held.append(line)
         if not _TRACEBACK_ENDS.match(body):
-            bodies.append(_same(body))
+            bodies.append(same_text(body))
             return out
         del self.open[tag]
         first = self.shown.setdefault(tuple(bodies), rank)

@@ -1,0 +1,85 @@
+"""A traceback that the ranks of one job raise alike, printed once per host.
+
+When every rank hits the same bug (a typo in `train_step`, a parse function that fails on
+every file), each would print the same traceback, and a launcher interleaves them line by
+line. hvdtrain's hook of uncaught errors (`hvdtrain.runtime`) asks `first_to_raise` first:
+the first rank of the job on this host publishes its traceback in a small file of the temp
+folder and prints it; a later rank whose traceback is the same (`same_text`) prints one line
+naming that rank instead. A different traceback is printed in full. `hvdtrain-run` then
+shows one of the hosts' alike tracebacks (`hvdtrain.launcher.failures`).
+
+Standard library only: the launcher imports `same_text`.
+"""
+
+import glob
+import hashlib
+import os
+import re
+import tempfile
+import time
+
+__all__ = ["first_to_raise", "job_key", "same_text"]
+
+# What differs from process to process for the same code: the names of the files that
+# TensorFlow's autograph writes, object addresses.
+_PER_PROCESS = re.compile(r"__autograph_generated_file\w+|0x[0-9a-f]{6,}")
+# Variables that name one job on every one of its ranks, by launcher; the first found wins.
+_JOB_NAMES = (
+    ("PMIX_NAMESPACE",),  # mpirun (Open MPI), srun --mpi=pmix
+    ("OMPI_MCA_ess_base_jobid",),
+    ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT"),  # horovodrun --gloo
+    ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+)
+STALE_SECONDS = 86400  # older files of failed jobs are removed by the next one
+
+
+def same_text(text):
+    """`text` (a traceback) without what differs between processes running the same code
+    (pure)."""
+    return _PER_PROCESS.sub("~", text)
+
+
+def job_key(environ):
+    """What names this job on every rank of it, from the launcher's variables in `environ`,
+    or None outside a launcher (pure)."""
+    for names in _JOB_NAMES:
+        values = [environ.get(name, "") for name in names]
+        if all(values):
+            return "/".join(values)
+    return None
+
+
+def first_to_raise(key, rank, text, folder=None):
+    """Publishes traceback `text` of `rank` for job `key` on this host unless another rank
+    did. Returns None when this rank's traceback is to be printed (the first, a different
+    one, or no file could be written), else the rank that printed the same one."""
+    folder = folder or tempfile.gettempdir()
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = os.path.join(folder, f"hvdtrain-{os.getuid()}-{digest}.traceback")
+    mine = same_text(text)
+    part = f"{name}.{os.getpid()}"
+    try:
+        with open(part, "w") as f:
+            f.write(f"{rank}\n{mine}")
+        try:
+            os.link(part, name)  # whole or not at all: the first rank's, for all to read
+        except FileExistsError:
+            with open(name) as f:
+                first, _, theirs = f.read().partition("\n")
+            return int(first) if theirs == mine and first != str(rank) else None
+        finally:
+            os.unlink(part)
+    except (OSError, ValueError):
+        return None
+    _remove_stale(folder, name)
+    return None
+
+
+def _remove_stale(folder, keep):
+    now = time.time()
+    for path in glob.glob(os.path.join(folder, f"hvdtrain-{os.getuid()}-*.traceback")):
+        try:
+            if path != keep and now - os.path.getmtime(path) > STALE_SECONDS:
+                os.unlink(path)
+        except OSError:
+            pass
