@@ -20,6 +20,7 @@ _STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 _STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 _STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
 FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
+WAITED = "waiting for the other ranks"  # in a watchdog's line: `hvdtrain-run` reads it
 _latest = []  # the watchdog started last in this process
 
 
@@ -74,7 +75,7 @@ def holding(what, waiting=False):
     `waiting` that it is done and waits for the other ranks (2 timeouts more, so that a
     rank stuck in the phase ends first and names itself)."""
     if _latest and _latest[0]._thread is not None:
-        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0))
+        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0), waiting)
 
 
 def _seconds(value, name):

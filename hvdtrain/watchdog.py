@@ -29,6 +29,7 @@ import tensorflow as tf
 from hvdtrain.errors import env_rank, invalid_value, note_ending
 from hvdtrain.stall import (
     FIRST_STEP_FACTOR,
+    WAITED,
     follow,
     holding,
     last_activity,
@@ -71,7 +72,7 @@ class Watchdog:
         self.timeout = float(timeout)
         self.rank = rank
         self.on_timeout = on_timeout or _end_process
-        self._last = (time.monotonic(), "started", self.timeout)
+        self._last = (time.monotonic(), "started", self.timeout, False)  # + waiting
         self._busy = {}  # what other threads do on their own (`enter`): {key: (since, what)}
         self._stop = threading.Event()
         self._thread = None
@@ -79,13 +80,13 @@ class Watchdog:
     def beat(self, what, waiting=False):
         """Records progress: `what` this rank is doing now. `waiting` marks work that
         waits for the other ranks (a training step), which gets twice the timeout."""
-        self._last = (time.monotonic(), what, self.timeout * (2 if waiting else 1))
+        self._last = (time.monotonic(), what, self.timeout * (2 if waiting else 1), waiting)
 
-    def hold(self, what, factor=FIRST_STEP_FACTOR):
+    def hold(self, what, factor=FIRST_STEP_FACTOR, waiting=False):
         """Records `what` this rank is doing, with `factor` times the timeout (by default
         for the first step of `fit`, which traces and compiles the model: minutes for a
-        large one)."""
-        self._last = (time.monotonic(), what, self.timeout * factor)
+        large one); `waiting`: for the other ranks."""
+        self._last = (time.monotonic(), what, self.timeout * factor, waiting)
 
     def enter(self, what):
         """Records that the calling thread began `what` on its own (one timeout), beside the
@@ -124,17 +125,32 @@ class Watchdog:
         poll = min(1.0, self.timeout / 4)
         while not self._stop.wait(poll):
             now = time.monotonic()
-            since, what, limit = self._last
+            since, what, limit, waited = self._last
             for began, doing in list(self._busy.values()):
                 if now - began - self.timeout > now - since - limit:
-                    since, what, limit = began, doing, self.timeout
+                    since, what, limit, waited = began, doing, self.timeout, False
             idle = now - since
             if idle > limit:
-                self.on_timeout(
-                    f"hvdtrain: rank {self.rank} made no progress for {idle:.0f} s "
-                    f"(last: {what}); ending it so that the launcher ends the job\n"
-                )
+                self.on_timeout(_message(self.rank, idle, what, waited))
                 return
+
+
+def _message(rank, idle, what, waited):
+    """The line a watchdog ends its process with (pure)."""
+    if not waited:
+        return (
+            f"hvdtrain: rank {rank} made no progress for {idle:.0f} s (last: {what}); "
+            "ending it so that the launcher ends the job\n"
+        )
+    # A rank stuck on its own names itself first (it gets half this time), and Horovod's
+    # stall check names one stuck before submitting its tensors; neither can when the rank
+    # froze whole.
+    return (
+        f"hvdtrain: rank {rank} made no progress for {idle:.0f} s, {WAITED} (last: "
+        f"{what}); unless another rank's line says it was stuck, one of them froze whole (a "
+        "stopped process, a host that stopped answering); ending it so that the launcher "
+        "ends the job\n"
+    )
 
 
 def _rank():

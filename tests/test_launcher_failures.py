@@ -160,6 +160,29 @@ def test_mpirun_naming_a_rank_that_only_stopped_names_the_one_that_failed():
     )
 
 
+def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
+    """Rank 0 waited in a step and its watchdog ended it first (status 124): the rank whose
+    own watchdog said it was stuck is named; with none (a frozen process), the words say
+    rank 0 waited."""
+    from hvdtrain.watchdog import _message
+
+    waited = "[1,0]<stderr>:" + _message(0, 20, "in step 6 of epoch 1", waited=True)
+    stuck = "[1,1]<stderr>:" + _message(1, 10, "in your callback Sleepy.on_epoch_end", False)
+    exited = MPI_EXIT.replace("[[40129,1],1]", "[[40129,1],0]").replace("   3", "   124")
+    failure = find_failure((waited + stuck + exited).splitlines(), HOSTS)
+    assert (failure.rank, failure.host, failure.code, failure.waited) == (1, "node2", 124, False)
+    assert explain(failure, HOSTS).startswith("rank 1 on host node2 failed first: exit status "
+                                              "124 (it made no progress")  # fmt: skip
+    failure = find_failure((waited + exited).splitlines(), HOSTS)
+    assert (failure.rank, failure.code, failure.waited) == (0, 124, True)
+    assert explain(failure, HOSTS) == (
+        "rank 0 on host node1 waited for the other ranks until its watchdog ended it (exit "
+        "status 124), and no rank said it was stuck: one of them froze whole (a stopped "
+        "process, a host that stopped answering); its line above says where it waited; the "
+        "job was ended"
+    )
+
+
 def test_other_tracebacks_pass_through_and_nothing_found_is_none():
     text = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: mine\nafter\n'
     shown, f = filtered(text)

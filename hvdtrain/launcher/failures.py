@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hvdtrain.errors import invalid_value
+from hvdtrain.stall import WAITED
 from hvdtrain.startup import is_startup_noise
 from hvdtrain.tracebacks import same_text
 
@@ -104,6 +105,9 @@ class Failure:
     # Horovod's stall check ended the job: the seconds, and every rank it found stalled.
     stalled: int | None = None
     stalled_ranks: tuple = ()
+    # The rank's watchdog ended it while it waited for the others, none of which said it
+    # was stuck (one froze whole).
+    waited: bool = False
 
     @property
     def exit_code(self):
@@ -246,6 +250,7 @@ def find_failure(lines, hosts=()):
                 int(rank) if rank else None, host=name.group(2), code=int(code.group(1))
             )
             found = _first_to_fail(found, text)
+            found = _stuck_not_waiting(found, text)
     if found and not found.stalled:
         found.said = ": error: " in text
     if found and found.host is None and found.rank is not None and found.rank < len(hosts):
@@ -267,6 +272,23 @@ def _first_to_fail(found, text):
     if len(failed) == 1:
         return Failure(failed.pop(), code=1)
     found.consequence = True
+    return found
+
+
+_WATCHDOG = re.compile(rf"hvdtrain: rank (\d+) made no progress for \d+ s(, {WAITED})?")
+
+
+def _stuck_not_waiting(found, text):
+    """A watchdog's status (124) names the rank stuck on its own, whose line said so, not
+    one that waited for it and exited first; if only waiting ranks' watchdogs fired, the
+    one named is `waited`."""
+    if found.code != STALLED:
+        return found
+    lines = [(int(m.group(1)), bool(m.group(2))) for m in _WATCHDOG.finditer(text)]
+    stuck = [rank for rank, waited in lines if not waited]
+    if stuck and stuck[0] != found.rank:
+        return Failure(stuck[0], code=STALLED)
+    found.waited = not stuck and (found.rank, True) in lines
     return found
 
 
@@ -308,6 +330,13 @@ def explain(failure, hosts=()):
         except ValueError:
             name = ""
         return f"{who} was killed by signal {code - 128}{name} first; the job was ended"
+    if failure.waited:
+        return (
+            f"{who} waited for the other ranks until its watchdog ended it (exit status "
+            f"{code}), and no rank said it was stuck: one of them froze whole (a stopped "
+            "process, a host that stopped answering); its line above says where it waited; "
+            "the job was ended"
+        )
     if failure.consequence:
         return (
             f"{who} exited first (exit status {code}), stopped because another rank ended or "
