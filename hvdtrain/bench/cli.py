@@ -439,8 +439,8 @@ def _project_only():
     print(project_mod.markdown(rows, project_mod.paper_check()))
     faster = [w for w in project_mod.default_workloads(0.0429, 1_199_882) if "P100" not in w["name"]
               and "CPU" not in w["name"]]  # fmt: skip
-    print("\nExchanging less, a projection (--sync local every H steps: the weights and the "
-          "optimizer's state; accuracy not modelled):\n")  # fmt: skip
+    print("\nExchanging less, a projection (--sync local every H steps: the weights; "
+          "accuracy not modelled):\n")  # fmt: skip
     print(project_mod.exchange_markdown(project_mod.exchange_less(faster)))
     return 0
 

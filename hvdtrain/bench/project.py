@@ -33,9 +33,6 @@ __all__ = [
     "default_workloads",
     "exchange_less",
 ]
-# Exchanging less (`--sync local`, `hvdtrain.exchange`): an exchange moves the weights and the
-# optimizer's float state, every H steps. Copies of the parameters per exchange:
-STATE_COPIES = {"SGD with momentum": 2, "Adam": 3}
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 GPUS = (8, 16, 32, 64, 128, 256, 512)
@@ -71,15 +68,14 @@ def efficiency(compute_seconds, nbytes, n, bandwidth, every=1):
 
 def exchange_less(workloads, every=(4, 16, 64), bandwidths=(ROCE_25G, IB_100G), gpus=GPUS):
     """Predicted efficiency of `--sync local` / `diloco` exchanging every H steps: the
-    weights and the optimizer's state (`STATE_COPIES` of the parameters, by the workload's
-    `optimizer`) once per H steps; the synchronous mode (the gradient every step) first.
-    Still no overlap and no latency; it says nothing of accuracy."""
+    weights once per H steps (`hvdtrain.exchange`: the optimizer's state only at epoch
+    ends, left out here); the synchronous mode (the gradient every step) first. Still no
+    overlap and no latency; it says nothing of accuracy."""
     rows = []
     for w in workloads:
-        copies = STATE_COPIES[w.get("optimizer", "Adam")]
+        nbytes = w["params"] * 4
         for bw in bandwidths:
             for h in (1, *every):
-                nbytes = w["params"] * 4 * (1 if h == 1 else copies)
                 rows.append({
                     "name": w["name"], "bandwidth_gbit": bw / GBIT,
                     "mode": "step" if h == 1 else f"H={h}",
@@ -106,10 +102,8 @@ def default_workloads(convnet_compute_seconds=None, convnet_params=None):
             "params": 25.6e6,
             "compute_seconds": 0.1,
             "compute_source": "assumed: 640 images/s",
-            "optimizer": "SGD with momentum",
         },
     ]
-    rows[0]["optimizer"] = "SGD with momentum"
     if convnet_params:
         if convnet_compute_seconds:
             rows.append(
