@@ -3,10 +3,11 @@
 When every rank hits the same bug (a typo in `train_step`, a parse function that fails on
 every file), each would print the same traceback, and a launcher interleaves them line by
 line. hvdtrain's hook of uncaught errors (`hvdtrain.runtime`) asks `first_to_raise` first:
-the first rank of the job on this host publishes its traceback in a small file of the temp
-folder and prints it; a later rank whose traceback is the same (`same_text`) prints one line
-naming that rank instead. A different traceback is printed in full. `hvdtrain-run` then
-shows one of the hosts' alike tracebacks (`hvdtrain.launcher.failures`).
+the first rank of the job on this host publishes its traceback in a small file (in
+`hvdtrain-<uid>` of the temp folder, mode 0700) and prints it; a later rank whose
+traceback is the same (`same_text`) prints one line naming that rank instead. A different
+traceback is printed in full. `hvdtrain-run` then shows one of the hosts' alike
+tracebacks (`hvdtrain.launcher.failures`).
 
 Standard library only: the launcher imports `same_text`.
 """
@@ -15,6 +16,7 @@ import glob
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import time
 
@@ -52,13 +54,14 @@ def job_key(environ):
 def first_to_raise(key, rank, text, folder=None):
     """Publishes traceback `text` of `rank` for job `key` on this host unless another rank
     did. Returns None when this rank's traceback is to be printed (the first, a different
-    one, or no file could be written), else the rank that printed the same one."""
-    folder = folder or tempfile.gettempdir()
+    one, or no file could be written), else the rank that printed the same one. The file
+    goes to `folder`, by default this user's own folder of the temp folder (mode 0700)."""
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = os.path.join(folder, f"hvdtrain-{os.getuid()}-{digest}.traceback")
     mine = same_text(text)
-    part = f"{name}.{os.getpid()}"
     try:
+        folder = folder or _own_folder()
+        name = os.path.join(folder, f"{digest}.traceback")
+        part = f"{name}.{os.getpid()}"
         with open(part, "w") as f:
             f.write(f"{rank}\n{mine}")
         try:
@@ -75,9 +78,19 @@ def first_to_raise(key, rank, text, folder=None):
     return None
 
 
+def _own_folder():
+    """This user's folder in the temp folder, made 0700; OSError if another user owns it."""
+    folder = os.path.join(tempfile.gettempdir(), f"hvdtrain-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode) or info.st_mode & 0o077:
+        raise OSError(f"{folder} is not this user's own")
+    return folder
+
+
 def _remove_stale(folder, keep):
     now = time.time()
-    for path in glob.glob(os.path.join(folder, f"hvdtrain-{os.getuid()}-*.traceback")):
+    for path in glob.glob(os.path.join(folder, "*.traceback")):
         try:
             if path != keep and now - os.path.getmtime(path) > STALE_SECONDS:
                 os.unlink(path)

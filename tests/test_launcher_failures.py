@@ -314,9 +314,13 @@ def test_a_traceback_every_rank_prints_alike_is_shown_once():
     assert repeats.feed(held[0]) == [] and repeats.flush() == held[:1]
 
 
-def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path):
+def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path, monkeypatch):
     """`hvdtrain.tracebacks`: each launcher's name for the job; the first rank publishes its
     traceback, a later alike one gets that rank back, a different one prints its own."""
+    import os
+    import stat
+    import tempfile
+
     from hvdtrain.tracebacks import first_to_raise, job_key
 
     assert job_key({"PMIX_NAMESPACE": "1556217857", "SLURM_JOB_ID": "7"}) == "1556217857"
@@ -331,6 +335,14 @@ def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path):
     assert first_to_raise("other job", 0, text.format("ab12"), tmp_path) is None
     assert [p.suffix for p in tmp_path.iterdir()] == [".traceback"] * 2  # nothing else left
     assert first_to_raise("job", 0, text, tmp_path / "missing") is None  # no file: print
+    # By default in this user's own folder of the temp folder: one others cannot write to.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert first_to_raise("job", 1, text, None) is None and first_to_raise("job", 0, text) == 1
+    own = tmp_path / "tmp" / f"hvdtrain-{os.getuid()}"
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700
+    own.chmod(0o777)  # not its own any more: no file, each rank prints its traceback
+    assert first_to_raise("job2", 1, text) is None and first_to_raise("job2", 0, text) is None
 
 
 def test_the_first_line_names_your_function(tmp_path):
