@@ -5,6 +5,8 @@ import os
 import socket
 import sys
 
+from hvdtrain import tracebacks
+
 __all__ = [
     "HvdtrainError",
     "TrainingDiverged",
@@ -188,7 +190,20 @@ def report_uncaught():
 
     def hook(kind, value, tb):
         if not issubclass(kind, HvdtrainError):
-            return previous(kind, value, tb)
+            # Before `hvd.init()` too (a typo in the script's own data code), an alike
+            # traceback once per host (`hvdtrain.tracebacks`).
+            same = None
+            if not issubclass(kind, KeyboardInterrupt):
+                same = tracebacks.printed_by(kind, value, tb, env_rank())
+            if same is None:
+                return previous(kind, value, tb)
+            what = (str(value).strip().splitlines() or [""])[0][:300]
+            write_line(
+                f"hvdtrain: rank {env_rank()} failed: {kind.__name__}"
+                + (f": {what}" if what else "")
+                + f"; its traceback is the same as rank {same}'s"
+            )
+            return None
         prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "hvdtrain"
         try:
             exit_with_error(prog, value)

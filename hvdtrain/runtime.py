@@ -27,6 +27,7 @@ import tensorflow as tf
 from hvdtrain import compat, stall, tuning
 from hvdtrain.errors import HvdtrainError, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
+from hvdtrain.tracebacks import printed_by
 
 __all__ = [
     "init",
@@ -221,7 +222,7 @@ def _name_failures(rank):
         consequence = _because_of_another_rank(str(value))
         plain = issubclass(kind, (KeyboardInterrupt, HvdtrainError))  # no traceback of yours
         yours = None if consequence or plain else your_frame(tb)
-        same = None if consequence or plain else _printed_by(kind, value, tb, hook.hvdtrain_rank)
+        same = None if consequence or plain else printed_by(kind, value, tb, hook.hvdtrain_rank)
         printed = f"; its traceback is the same as rank {same}'s" if same is not None else ""
         if yours:
             where = f"{yours.name} ({os.path.basename(yours.filename)}:{yours.lineno})"
@@ -249,18 +250,6 @@ def _name_failures(rank):
 
     hook.hvdtrain_rank = rank
     sys.excepthook = hook
-
-
-def _printed_by(kind, value, tb, rank):
-    """The rank of this job on this host that printed the same traceback, if one did
-    (`hvdtrain.tracebacks`): this one prints one line instead."""
-    from hvdtrain import tracebacks
-
-    key = tracebacks.job_key(os.environ)
-    if key is None:
-        return None
-    text = "".join(traceback.format_exception(kind, value, tb))
-    return tracebacks.first_to_raise(key, rank, text)
 
 
 _LIBRARIES = None

@@ -19,8 +19,9 @@ import re
 import stat
 import tempfile
 import time
+import traceback
 
-__all__ = ["first_to_raise", "job_key", "same_text"]
+__all__ = ["first_to_raise", "job_key", "printed_by", "same_text"]
 
 # What differs from process to process for the same code: the names of the files that
 # TensorFlow's autograph writes, object addresses.
@@ -49,6 +50,15 @@ def job_key(environ):
         if all(values):
             return "/".join(values)
     return None
+
+
+def printed_by(kind, value, tb, rank, environ=None):
+    """The rank of this job on this host that printed the same traceback as this uncaught
+    exception's, if one did (this rank then prints one line instead), else None."""
+    key = job_key(os.environ if environ is None else environ)
+    if key is None:
+        return None
+    return first_to_raise(key, rank, "".join(traceback.format_exception(kind, value, tb)))
 
 
 def first_to_raise(key, rank, text, folder=None):

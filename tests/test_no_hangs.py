@@ -200,6 +200,16 @@ def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(launch
                      r"its traceback is the same as rank [01]'s", output), output  # fmt: skip
     for rank in (0, 1):
         assert f"hvdtrain: rank {rank} failed: ValueError: labels out of range" in output
+    # The same before hvd.init() (the script's own data code): one traceback, one line.
+    proc = subprocess.run(
+        [*prefix, sys.executable, worker("stuck_rank.py"), "raise-early"],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path, env=job_env(),
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-6000:]
+    assert output.count("<stderr>:Traceback (most recent call last):") == 1, output[-6000:]
+    assert re.search(r"hvdtrain: rank [01] failed: ValueError: labels out of range after 0 "
+                     r"logs; its traceback is the same as rank [01]'s", output), output  # fmt: skip
 
 
 @pytest.mark.timeout(300)

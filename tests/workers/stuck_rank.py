@@ -2,13 +2,13 @@
 collective (issue 51): the launcher's summary must name rank 1, and rank 0 is never blamed.
 
     HVDTRAIN_STALL_SHUTDOWN_SECONDS=5 hvdtrain-run --backend gloo -np 2 -- \
-        python tests/workers/stuck_rank.py callback|data|step|raise
+        python tests/workers/stuck_rank.py callback|data|step|raise|raise-early
 
 callback: it sleeps 120 s in a user's epoch-end callback (hvdtrain's watchdog names it).
 data: its `Sequence` sleeps in `__getitem__` of its 7th batch (in tf.data's thread, while the
     training thread waits inside a step: the watchdog names it for its data).
 raise: every rank raises the same error in a function of the user's (not stuck: its traceback
-    once under `hvdtrain-run`).
+    once per host); raise-early: the same before `hvd.init()`, in the script's data code.
 step: its model's `train_step` sleeps (a `tf.py_function`) before the gradients of its 7th
     step: rank 0 waits in their allreduce, and Horovod's stall check names rank 1 missing.
 """
@@ -96,6 +96,8 @@ def build():
 
 
 x = np.ones((256, 4), "float32")
+if where == "raise-early":
+    check_labels([])
 data = hvdtrain.BatchData(Batches(), shuffle=False) if where == "data" else (x, x[:, 0])
 args = hvdtrain.ArgumentParser(epochs=3, steps_per_execution=1).parse_args()
 callbacks = {"callback": [Sleepy()], "raise": [Raising()]}.get(where, [])
