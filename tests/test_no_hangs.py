@@ -186,14 +186,19 @@ def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(launch
         "horovodrun": launch_argv(2, "gloo"),
         "mpirun": launch_argv(2, "mpirun"),
     }[launcher]
-    proc = subprocess.run(
-        [*prefix, sys.executable, worker("stuck_rank.py"), "raise"],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path, env=job_env(),
-    )  # fmt: skip
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-6000:]
-    # the ranks' own (plain horovodrun --gloo adds its own traceback, untagged, at the end)
-    assert output.count("<stderr>:Traceback (most recent call last):") == 1, output[-6000:]
+
+    def one_traceback(where):
+        proc = subprocess.run(
+            [*prefix, sys.executable, worker("stuck_rank.py"), where],
+            capture_output=True, text=True, timeout=150, cwd=tmp_path, env=job_env(),
+        )  # fmt: skip
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, output[-6000:]
+        # the ranks' own (plain horovodrun --gloo adds its own traceback, untagged, at the end)
+        assert output.count("<stderr>:Traceback (most recent call last):") == 1, output[-6000:]
+        return output
+
+    output = one_traceback("raise")
     assert output.count("the error below was raised in your code: check_labels "
                         "(stuck_rank.py:") == 1, output  # fmt: skip
     assert re.search(r"the error was raised in your code: check_labels \(stuck_rank.py:\d+\); "
@@ -201,13 +206,7 @@ def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(launch
     for rank in (0, 1):
         assert f"hvdtrain: rank {rank} failed: ValueError: labels out of range" in output
     # The same before hvd.init() (the script's own data code): one traceback, one line.
-    proc = subprocess.run(
-        [*prefix, sys.executable, worker("stuck_rank.py"), "raise-early"],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path, env=job_env(),
-    )  # fmt: skip
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-6000:]
-    assert output.count("<stderr>:Traceback (most recent call last):") == 1, output[-6000:]
+    output = one_traceback("raise-early")
     assert re.search(r"hvdtrain: rank [01] failed: ValueError: labels out of range after 0 "
                      r"logs; its traceback is the same as rank [01]'s", output), output  # fmt: skip
 
