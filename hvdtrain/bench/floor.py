@@ -25,9 +25,10 @@ rank), run as these jobs, interleaved round by round (the order reversed in even
 - `horovod`: Horovod's grouped allreduce (average) inside the same loop, after
   `hvdtrain.init()` (hvdtrain's settings), no NumPy detour;
 - with `--sync H,...` (exchanging less, `hvdtrain.exchange`): `local-H`, the same loop with
-  no exchange in the step, and hvdtrain's own exchange of `--sync local` (the weights and
-  Adam's moments averaged) after every H steps, the calls of min(16, H) steps; with
-  `--backends mpi,gloo` these and `horovod` also under Gloo (`-gloo` after their names).
+  no exchange in the step, and hvdtrain's own exchange of `--sync local` (the weights
+  averaged) after every H steps, the calls of min(16, H) steps; the exchange is also timed
+  apart, in the loop and with the ranks arriving together; with `--backends mpi,gloo`
+  these and `horovod` also under Gloo (`-gloo` after their names).
 
 Each job times its calls inside the exchange on every rank, every step (the wait falls on
 the faster rank: the ranks' mean is reported), and after its timed windows the same call
@@ -65,6 +66,7 @@ STEPS_PER_CALL = 16
 CALLS = {"mlp": 60, "convnet": 4}  # per timed window: about 2.5 and 8 seconds on one core
 SECONDS_PER_STEP = {"mlp": 0.01, "convnet": 0.5}  # at batch 64: 4x this machine's one core
 WINDOWS = 5
+TOGETHER = 200  # exchanges timed with the ranks arriving together (`local-H` jobs)
 QUIET_WAIT = 20  # seconds, at most, that each job waits for other processes to leave the cores
 
 
@@ -80,9 +82,15 @@ def decompose(ms, inside):
             timed windows: "sync_together" (4 bytes: the latency) and "mpi_together" (the
             gradient: the transfer and the sum alone).
 
+        and for each `local-H` job (`--sync`), {"local-H": {"exchange": ..., "together":
+        ...}}: its exchange as it took in the loop (every H steps: the wait for the slower
+        rank in it) and in a tight loop, the ranks arriving together.
+
     The lower bound: the unconnected step, the wait and the transfer with the ranks
     together; no copy, no averaging, nothing else. The bare path: the unconnected step and
-    the calls as they took inside the step (the `MPI_Allreduce` and the / n).
+    the calls as they took inside the step (the `MPI_Allreduce` and the / n). A `local-H`
+    job's parts: its local steps (its step less its exchange / H) and its bound (the
+    unconnected step and the exchange with the ranks together / H: no wait).
     """
     alone, pair = ms["alone"], ms["side-by-side"]
     bound = pair + inside["sync"] + inside["mpi_together"]
@@ -97,7 +105,21 @@ def decompose(ms, inside):
         "bare_step_ms": bare,
         "bare_efficiency": alone / bare,
         "horovod_added_ms": ms["horovod"] - pair,
+        "local": {
+            job: {
+                **parts,
+                "local_step": ms[job] - parts["exchange"] / _every(job),
+                "bound_of_ceiling": pair / (pair + parts["together"] / _every(job)),
+            }
+            for job, parts in inside.items()
+            if job.startswith("local-")
+        },
     }
+
+
+def _every(job):
+    """`local-16-gloo` -> 16."""
+    return int(job.split("-")[1])
 
 
 def markdown(ms, parts):
@@ -126,6 +148,14 @@ def markdown(ms, parts):
         f"{parts['bare_efficiency']:.2f}, Horovod's job {parts['efficiency']['horovod']:.2f}; "
         f"ceiling (alone / side by side) {parts['ceiling']:.2f}.",
     ]
+    if parts["local"]:
+        lines += ["", "| job | the exchange in the loop, ms | the ranks together, ms | "
+                  "local steps, ms per step | of the ceiling | its bound |",
+                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [f"| {job} | {p['exchange']:.2f} | {p['together']:.2f} | "
+                  f"{p['local_step']:.3f} | {parts['of_ceiling'][job]:.2f} | "
+                  f"{p['bound_of_ceiling']:.2f} |"
+                  for job, p in parts["local"].items()]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +220,8 @@ def _worker(exchange, model_name, batch, calls):
     xs, ys = tf.constant(x_np), tf.constant(y_np)
     # Two result buffers, allocated once, used in turn: no allocation inside the timed calls.
     outs = [np.empty(sum(sizes), np.float32) for _ in range(2)]
-    spent = {"call": 0.0, "scale": 0.0, "steps": 0}  # seconds, summed over the timed steps
+    # Seconds, summed over the timed steps; local SGD's exchanges apart
+    spent = {"call": 0.0, "scale": 0.0, "steps": 0, "exchange": 0.0, "exchanges": 0}
 
     def numpy_exchange(flat):
         out = outs[spent["steps"] % 2]
@@ -253,12 +284,16 @@ def _worker(exchange, model_name, batch, calls):
         done += per_call
         if exchanges is not None and done % local == 0:
             exchanges.step = done
+            loss.numpy()  # the steps done: the exchange's own time, apart
+            start = time.perf_counter()
             exchanges.now()
+            spent["exchange"] += time.perf_counter() - start
+            spent["exchanges"] += 1
         return loss
 
     for k in range(max(3, calls // 3)):  # warm-up: tracing, caches
         call(k)
-    spent.update(call=0.0, scale=0.0, steps=0)
+    spent.update(call=0.0, scale=0.0, steps=0, exchange=0.0, exchanges=0)
     windows = []
     for _ in range(WINDOWS):
         start = time.perf_counter()
@@ -266,6 +301,19 @@ def _worker(exchange, model_name, batch, calls):
             call(k).numpy()
         windows.append(1e3 * (time.perf_counter() - start) / (calls * per_call))
     inside = {}
+    if local:  # the exchange's ms as in the loop, then with the ranks arriving together
+        mine = 1e3 * spent["exchange"] / max(spent["exchanges"], 1)
+        together = []
+        for _ in range(TOGETHER):
+            hvd.allreduce(tf.constant(0.0), name="floor.barrier").numpy()
+            start = time.perf_counter()
+            exchanges.step += 1
+            exchanges.now()
+            together.append(time.perf_counter() - start)
+        both = hvd.allgather_object((mine, 1e3 * statistics.median(together)))
+        inside = {"exchange": statistics.mean(m for m, _ in both),
+                  "together": statistics.mean(t for _, t in both),
+                  "exchange_by_rank": [m for m, _ in both]}  # fmt: skip
     if comm is not None:  # every rank's mean per step (the wait falls on the faster one)
         n = max(spent["steps"], 1)
         mine = {"call": 1e3 * spent["call"] / n, "scale": 1e3 * spent["scale"] / n}
@@ -294,8 +342,9 @@ def _worker(exchange, model_name, batch, calls):
 def _inside(by_job):
     """{job: [inside_ms per round]} -> `decompose`'s `inside` (medians over rounds)."""
     med = {job: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
-                 if key != "call_by_rank"} for job, rounds in by_job.items()}  # fmt: skip
+                 if not key.endswith("_by_rank")} for job, rounds in by_job.items()}  # fmt: skip
     return {
+        **{job: parts for job, parts in med.items() if job.startswith("local-")},
         "copy": med["copy"]["call"],
         "sync": med["sync"]["call"],
         "sync_together": med["sync"]["together"],
