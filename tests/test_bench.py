@@ -622,3 +622,20 @@ def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
     text = table({"step": [0.97, 0.98], "local H=4": [0.975, 0.965]})
     assert "| step | 2 | 97.50 % | 1.00 |  |" in text
     assert "| local H=4 | 2 | 97.00 % | 1.00 | -0.50 |" in text
+
+
+def test_accuracy_study_reuses_a_finished_run_made_with_the_same_arguments(tmp_path):
+    from hvdtrain.bench.accuracy import _done
+
+    metrics = str(tmp_path / "local_H=4-seed0.json")
+    args = ["-m", "hvdtrain.mnist", "--seed", "0", "--sync", "local", "--sync-every", "4"]
+    assert _done(metrics, args) is None  # never ran
+    (tmp_path / "local_H=4-seed0.json").write_text(json.dumps({"status": "finished"}))
+    assert _done(metrics, args) is None  # no record of its arguments: run again
+    (tmp_path / "local_H=4-seed0.json.args").write_text(json.dumps(args))
+    assert _done(metrics, args) == {"status": "finished"}
+    assert _done(metrics, args[:-1] + ["16"]) is None  # another H
+    (tmp_path / "local_H=4-seed0.json").write_text(json.dumps({"status": "stopped"}))
+    assert _done(metrics, args) is None  # killed or stopped: run again
+    (tmp_path / "local_H=4-seed0.json").write_text("{")
+    assert _done(metrics, args) is None  # cut short

@@ -8,7 +8,9 @@ several seeds; the mean and spread of the test accuracy per mode.
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
 job (`hvdtrain-run --backend gloo -np 2`); `accuracy.json` (every run's figures) and
-`accuracy.md` (the table) go to `--out`. It never imports TensorFlow.
+`accuracy.md` (the table) go to `--out`. It never imports TensorFlow. Run again into the same
+`--out`, it reuses each finished run made with the same arguments (a study extended to more
+H values, modes or seeds runs the new ones alone).
 """
 
 import argparse
@@ -67,6 +69,19 @@ def table(results):
     return "\n".join(lines) + "\n"
 
 
+def _done(metrics, args):
+    """A finished run's metrics, where `metrics` holds one made with the same `args` (a
+    study run again reuses it: its new modes, H values or seeds alone run); else None."""
+    try:
+        with open(metrics + ".args") as f:
+            same = json.load(f) == args
+        with open(metrics) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return m if same and m.get("status") == "finished" else None
+
+
 def _run(argv):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -106,11 +121,15 @@ def _run(argv):
                     "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                     "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
                     "--warmup-epochs", str(args.warmup_epochs), *flags]  # fmt: skip
-            proc = subprocess.run(argv, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise HvdtrainError(f"{label}, seed {seed} failed: {proc.stderr[-2000:]}")
-            with open(metrics) as f:
-                m = json.load(f)
+            m = _done(metrics, argv[argv.index("--") + 2 :])
+            if m is None:
+                proc = subprocess.run(argv, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise HvdtrainError(f"{label}, seed {seed} failed: {proc.stderr[-2000:]}")
+                with open(metrics) as f:
+                    m = json.load(f)
+                with open(metrics + ".args", "w") as f:  # what `_done` compares
+                    json.dump(argv[argv.index("--") + 2 :], f)
             runs.append({"mode": label, "seed": seed, "test_accuracy": m["test_accuracy"],
                          "test_samples": m["test_samples"], "sync": m["sync"],
                          "wall_seconds": m["wall_seconds"]})  # fmt: skip
