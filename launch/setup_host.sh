@@ -121,6 +121,8 @@ quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel 
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
 quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
+# TensorFlow's start-up lines left out in launched processes, whatever they import first.
+"$venv/bin/python" -c 'from hvdtrain.startup import install_pth; install_pth()'
 "$venv/bin/python" -c 'import hvdtrain, numpy, tensorflow, horovod.tensorflow.keras, mpi4py' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"
