@@ -39,14 +39,15 @@ __all__ = [
     "is_startup_noise",
     "launched",
     "noise_unwanted",
+    "pth_text",
     "quiet_tensorflow_import",
 ]
 
 # Set in each process a launcher starts: Open MPI's mpirun, Horovod's Gloo, PMI and PMIx
 # (MPICH, Slurm's srun).
-# HVDTRAIN_QUIET_START=1: set by `at_start` for the process's children (horovodrun checks
-# its build in a child process that imports TensorFlow).
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMI_RANK", "PMIX_RANK")
+# Set to 1 by `at_start` for the process's children (horovodrun checks its build in a child
+# process that loads TensorFlow).
 QUIET_START = "HVDTRAIN_QUIET_START"
 PTH_NAME = "hvdtrain-quiet-start.pth"
 # What the `.pth` runs as Python starts (`site` executes its lines that begin with `import`):
