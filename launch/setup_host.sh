@@ -34,7 +34,7 @@ case "$tf_version" in
   *) die "Invalid value for \`TF_VERSION\`: received '$tf_version'; expected 2.21.0 (the default) or 2.15.1" ;;
 esac
 inputs=(setup.cfg pyproject.toml "$constraints" launch/setup_host.sh launch/install_horovod.sh
-        launch/horovod-0.28.1.patch)
+        launch/horovod-0.28.1.patch hvdtrain/startup.py)  # startup.py: the .pth it writes
 
 apt_install() {
   if [ "$(id -u)" -ne 0 ]; then
