@@ -42,22 +42,27 @@ def check_labels(logs):
     raise ValueError(f"labels out of range after {len(logs)} logs")
 
 
+def wait_for_every_rank_to_print(rank, size):
+    """Each rank, once hvdtrain's hook printed its traceback (or its line), waits (30 s at
+    most) for the others' to be printed too: else the launcher (plain mpirun at once) may
+    end the slower rank before it raises, and the test would see one rank only."""
+    printed = sys.excepthook
+
+    def hook(*exc):
+        printed(*exc)
+        sys.stderr.flush()
+        open(f"printed-{where}-{rank}", "w").close()  # one set per mode
+        for _ in range(300):
+            if all(os.path.exists(f"printed-{where}-{r}") for r in range(size)):
+                break
+            time.sleep(0.1)
+
+    sys.excepthook = hook
+
+
 class Raising(tf.keras.callbacks.Callback):  # `raise`: every rank, alike, in the user's code
     def on_train_begin(self, logs=None):
-        # Each rank, once hvdtrain's hook printed its traceback, waits (30 s at most) for the
-        # other's to be printed too: else the launcher may end the slower rank first.
-        printed = sys.excepthook
-
-        def hook(*exc):
-            printed(*exc)
-            sys.stderr.flush()
-            open(f"printed-{hvd.rank()}", "w").close()
-            for _ in range(300):
-                if all(os.path.exists(f"printed-{r}") for r in range(hvd.size())):
-                    break
-                time.sleep(0.1)
-
-        sys.excepthook = hook
+        wait_for_every_rank_to_print(hvd.rank(), hvd.size())
 
     def on_epoch_end(self, epoch, logs=None):
         check_labels(logs)
@@ -96,7 +101,12 @@ def build():
 
 
 x = np.ones((256, 4), "float32")
-if where == "raise-early":
+if where == "raise-early":  # before hvd.init(): the rank and size from the launcher
+    env = os.environ
+    rank = int(env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK", "0")))
+    wait_for_every_rank_to_print(
+        rank, int(env.get("HOROVOD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", "1")))
+    )
     check_labels([])
 data = hvdtrain.BatchData(Batches(), shuffle=False) if where == "data" else (x, x[:, 0])
 args = hvdtrain.ArgumentParser(epochs=3, steps_per_execution=1).parse_args()
