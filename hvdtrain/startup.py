@@ -181,8 +181,12 @@ def launched(environ, argv):
     return (
         any(environ.get(v) for v in RANK_VARIABLES)
         or environ.get(QUIET_START) == "1"
-        or (bool(argv) and os.path.basename(argv[0]) == "horovodrun")
+        or _is_horovodrun(argv)
     )
+
+
+def _is_horovodrun(argv):
+    return bool(argv) and os.path.basename(argv[0]) == "horovodrun"
 
 
 def at_start():
@@ -194,7 +198,7 @@ def at_start():
     _STARTED.append(True)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ[QUIET_START] = "1"  # for its children too
-    if os.path.basename((sys.argv or [""])[0]) == "horovodrun" and noise_unwanted(os.environ):
+    if _is_horovodrun(sys.argv) and noise_unwanted(os.environ):
         # Its build check loads Horovod's library in a forked child, without an import of
         # TensorFlow to hook: that child's file descriptor 2 goes through the filter.
         os.register_at_fork(after_in_child=_filter_for_life)

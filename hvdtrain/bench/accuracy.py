@@ -121,15 +121,16 @@ def _run(argv):
                     "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                     "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
                     "--warmup-epochs", str(args.warmup_epochs), *flags]  # fmt: skip
-            m = _done(metrics, argv[argv.index("--") + 2 :])
+            job = argv[argv.index("--") + 2 :]  # what `_done` compares: the job's own
+            m = _done(metrics, job)
             if m is None:
                 proc = subprocess.run(argv, capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise HvdtrainError(f"{label}, seed {seed} failed: {proc.stderr[-2000:]}")
                 with open(metrics) as f:
                     m = json.load(f)
-                with open(metrics + ".args", "w") as f:  # what `_done` compares
-                    json.dump(argv[argv.index("--") + 2 :], f)
+                with open(metrics + ".args", "w") as f:
+                    json.dump(job, f)
             runs.append({"mode": label, "seed": seed, "test_accuracy": m["test_accuracy"],
                          "test_samples": m["test_samples"], "sync": m["sync"],
                          "wall_seconds": m["wall_seconds"]})  # fmt: skip

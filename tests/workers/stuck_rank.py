@@ -102,11 +102,10 @@ def build():
 
 x = np.ones((256, 4), "float32")
 if where == "raise-early":  # before hvd.init(): the rank and size from the launcher
-    env = os.environ
-    rank = int(env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK", "0")))
-    wait_for_every_rank_to_print(
-        rank, int(env.get("HOROVOD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", "1")))
-    )
+    from hvdtrain.errors import env_rank
+    from hvdtrain.tuning import launcher_size
+
+    wait_for_every_rank_to_print(env_rank(), launcher_size(os.environ) or 1)
     check_labels([])
 data = hvdtrain.BatchData(Batches(), shuffle=False) if where == "data" else (x, x[:, 0])
 args = hvdtrain.ArgumentParser(epochs=3, steps_per_execution=1).parse_args()
