@@ -93,7 +93,7 @@ def _env_int(text, default):
 
 
 def stall_settings(environ, shutdown_seconds=None):
-    """The HOROVOD_STALL_* variables that `init` sets: those missing from `environ` (pure).
+    """The stall variables that `init` sets: those missing from `environ` (pure).
 
     Horovod (see horovod/common/stall_inspector.cc) lets rank 0 check, every
     HOROVOD_STALL_CHECK_TIME_SECONDS, for tensors that some ranks submitted and others did
@@ -104,22 +104,21 @@ def stall_settings(environ, shutdown_seconds=None):
     Args:
         environ: the process environment (read, never changed). Variables the user set
             (e.g. by `horovodrun --stall-check-shutdown-time-seconds`) are kept.
-        shutdown_seconds: the shutdown time; by default HVDTRAIN_STALL_SHUTDOWN_SECONDS,
-            else `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
+        shutdown_seconds: the stall time; by default HVDTRAIN_STALL_SHUTDOWN_SECONDS, else
+            `STALL_SHUTDOWN_SECONDS` (300). 0 turns the shutdown off.
 
     Returns:
-        {name: value} to set; the warning time (also how often rank 0 checks) is min(60,
-        shutdown / 5), at least 1. A stalled tensor that Horovod had cached waits up to two
-        checks before it is timed, then the shutdown time and one check more: at most 1.6
-        times the shutdown time, before the watchdog of a rank that waits inside a step
-        (twice the time), so that Horovod's check, which knows the missing rank, ends the
-        job and names it.
+        {name: value} to set. The warning time (also how often rank 0 checks) is min(60,
+        stall time / 5), at least 1. Horovod's shutdown comes one check after the stall time,
+        which HVDTRAIN_STALL_SHUTDOWN_SECONDS records for the watchdogs: a rank stuck outside
+        a step (one stall time on its watchdog) names itself before Horovod's check can end
+        the job, which it would do naming the ranks that miss the stuck rank's first
+        collective. A stalled tensor that Horovod had cached waits up to two checks before
+        it is timed, then the shutdown time and one check more: at most 1.8 times the stall
+        time, before the watchdog of a rank that waits inside a step (twice the time), so
+        that Horovod's check, which knows the missing rank, ends the job and names it.
     """
-    if shutdown_seconds is None:
-        text = environ.get(_STALL_ENV, "").strip()
-        shutdown = _seconds(text, _STALL_ENV) if text else STALL_SHUTDOWN_SECONDS
-    else:
-        shutdown = _seconds(shutdown_seconds, "stall_shutdown_seconds")
+    shutdown = _stall_time(environ, shutdown_seconds)
     out = {}
     if _STALL_CHECK in environ:
         warning = _env_int(environ[_STALL_CHECK], STALL_WARNING_SECONDS)
@@ -129,16 +128,25 @@ def stall_settings(environ, shutdown_seconds=None):
             warning = max(1, min(warning, shutdown // 5))
         out[_STALL_CHECK] = str(warning)
     if _STALL_SHUTDOWN not in environ:
-        out[_STALL_SHUTDOWN] = str(max(shutdown, warning) if shutdown else 0)
+        out[_STALL_SHUTDOWN] = str(max(shutdown, warning) + warning if shutdown else 0)
+        out[_STALL_ENV] = str(shutdown)
     return out
 
 
 def stall_shutdown_seconds(environ=None):
-    """The stall shutdown time in effect (0: off), as Horovod reads it from `environ`, or
-    as `init` would set it when it has not run yet."""
+    """The stall time in effect (0: off), which the watchdogs follow: as `init` set it, or
+    would set it when it has not run yet, or Horovod's shutdown time where the user set
+    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS alone."""
     environ = os.environ if environ is None else environ
     if _env_int(environ.get("HOROVOD_STALL_CHECK_DISABLE"), 0) > 0:
         return 0
-    if _STALL_SHUTDOWN not in environ:
-        environ = {**environ, **stall_settings(environ)}
-    return _env_int(environ.get(_STALL_SHUTDOWN), 0)
+    if _STALL_SHUTDOWN in environ and not environ.get(_STALL_ENV, "").strip():
+        return _env_int(environ.get(_STALL_SHUTDOWN), 0)
+    return _stall_time(environ)
+
+
+def _stall_time(environ, shutdown_seconds=None):
+    if shutdown_seconds is not None:
+        return _seconds(shutdown_seconds, "stall_shutdown_seconds")
+    text = environ.get(_STALL_ENV, "").strip()
+    return _seconds(text, _STALL_ENV) if text else STALL_SHUTDOWN_SECONDS

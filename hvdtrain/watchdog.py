@@ -122,7 +122,9 @@ class Watchdog:
         self._busy.clear()
 
     def _run(self):
-        poll = min(1.0, self.timeout / 4)
+        # Fine enough that a rank stuck outside a step names itself well before Horovod's
+        # stall check, one check (at least 1 s) after the stall time (`stall_settings`).
+        poll = min(0.25, self.timeout / 20)
         while not self._stop.wait(poll):
             now = time.monotonic()
             since, what, limit, waited = self._last

@@ -398,7 +398,7 @@ def test_horovods_stall_check_names_the_stuck_rank_not_the_first_to_exit():
     assert explain(failure, HOSTS) == (
         "rank 1 on host node2 stopped making progress first: the other ranks waited for it in "
         "a collective for over 10 s, and Horovod's stall check ended the job (the time: "
-        "HVDTRAIN_STALL_SHUTDOWN_SECONDS); the job was ended"
+        "HVDTRAIN_STALL_SHUTDOWN_SECONDS, and one check); the job was ended"
     )
     # Several ranks past the time (Gloo's tag): each named, with its host.
     two = MPI_STALL.replace("[1,0]<stderr>:1!: [", "[0]<stderr>:1!: [a]\n[0]<stderr>:2!: [")

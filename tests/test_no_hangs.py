@@ -109,7 +109,7 @@ def test_sleeping_rank_ends_the_job(backend, keras, tmp_path):
     assert "rank 0 made no progress" not in output  # the waiting rank is not blamed
 
 
-STUCK_STALL = 10  # Horovod then checks every 2 s (a fifth)
+STUCK_STALL = 10  # Horovod then checks every 2 s (a fifth) and shuts down after 12
 # Where rank 1 stops (tests/workers/stuck_rank.py) and what its named line says; rank 0
 # waits for it in the next collective, twice the stall time on its watchdog.
 STUCK = {
@@ -119,7 +119,7 @@ STUCK = {
     # training thread waits inside a step.
     "data": r"rank 1 made no progress for \d+ s \(last: loading a batch of your data "
             r"\(Batches, your code\)\)",
-    # Inside a step, before the gradients: Horovod's stall check (1.6 stall times at most)
+    # Inside a step, before the gradients: Horovod's stall check (1.8 stall times at most)
     # finds rank 1 missing from the allreduce and ends the job; under Gloo since the patch.
     "step": r"Missing ranks:\s*(\[[\d,]+\]<stderr>:)?1!: \[",
 }  # fmt: skip
@@ -157,7 +157,7 @@ def test_the_stuck_rank_is_the_one_named(where, backend, tmp_path):
     by_watchdog = "hvdtrain-run: rank 1 on host localhost failed first: exit status 124 (it made"
     by_horovod = (
         "hvdtrain-run: rank 1 on host localhost stopped making progress first: the other ranks "
-        f"waited for it in a collective for over {STUCK_STALL} s, and Horovod's stall check "
+        f"waited for it in a collective for over {STUCK_STALL + 2} s, and Horovod's stall check "
         "ended the job"
     )
     # Outside a step rank 1's watchdog (one stall time) and Horovod's check (one stall time
@@ -218,11 +218,12 @@ def test_horovod_stall_shutdown_alone_ends_the_job(backend, tmp_path):
     the missing rank with `!` and shuts down (under Gloo since hvdtrain's patch)."""
     proc, output, after = run_fault(backend, tmp_path, "sleep", "--no-watchdog")
     assert proc.returncode != 0, output[-6000:]
-    # Horovod checks every second (the warning time, a fifth of the shutdown time); a
-    # tensor waits up to two checks as a cached one, then the shutdown time and a check.
+    # Horovod checks every second (the warning time, a fifth of the stall time) and shuts
+    # down a check after the stall time; a tensor waits up to two checks as a cached one,
+    # then the shutdown time and a check.
     assert STALL <= after < 2 * STALL + SLACK, output[-6000:]
     assert re.search(r"Missing ranks:\s*\S*1!: \[", output), output[-6000:]
-    assert f"stalled for longer than {STALL} seconds. Will shutdown." in output
+    assert f"stalled for longer than {STALL + 1} seconds. Will shutdown." in output
 
 
 @slow
@@ -248,7 +249,8 @@ def test_validation_on_one_rank_ends_the_job(tmp_path):
     """The classic Horovod stall: evaluating (a collective) on rank 0 alone at the end of
     an epoch. `MetricAverageCallback` evaluates on every rank, so hvdtrain's own loop
     cannot do this; a user's callback can, and the job then ends naming rank 0's
-    epoch-end callbacks. Under Gloo, where Horovod's stall check never fires."""
+    epoch-end callbacks, not rank 1, which Horovod's stall check would name (missing from
+    rank 0's collective) had it not come one check after the watchdog's time."""
     proc, output, after = run_fault("gloo", tmp_path, "eval-alone", "0", "0")
     assert proc.returncode != 0, output[-6000:]
     assert STALL <= after < STALL + SLACK, output[-6000:]
@@ -267,23 +269,26 @@ def test_stall_settings():
     from hvdtrain.runtime import stall_settings, stall_shutdown_seconds
 
     check, shutdown = "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
-    assert stall_settings({}) == {check: "60", shutdown: "300"}
-    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}) == {check: "1", shutdown: "5"}
-    assert stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "5"}, 90) == {
-        check: "18",
-        shutdown: "90",
-    }
-    assert stall_settings({}, 4) == {check: "1", shutdown: "4"}
-    assert stall_settings({}, 0) == {check: "60", shutdown: "0"}  # off
+    ours = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
+    # Horovod's shutdown one check after the stall time, which is recorded for the watchdogs
+    assert stall_settings({}) == {check: "60", shutdown: "360", ours: "300"}
+    assert stall_settings({ours: "5"}) == {check: "1", shutdown: "6", ours: "5"}
+    assert stall_settings({ours: "5"}, 90) == {check: "18", shutdown: "108", ours: "90"}
+    assert stall_settings({}, 4) == {check: "1", shutdown: "5", ours: "4"}
+    assert stall_settings({}, 0) == {check: "60", shutdown: "0", ours: "0"}  # off
     # What the user set (e.g. horovodrun --stall-check-*) wins; the shutdown is never
     # below the warning time, which Horovod would silently ignore.
     assert stall_settings({shutdown: "30"}) == {check: "60"}
-    assert stall_settings({check: "600"}) == {shutdown: "600"}
+    assert stall_settings({check: "600"}) == {shutdown: "1200", ours: "300"}
     assert stall_settings({check: "10", shutdown: "20"}, 5) == {}
-    assert stall_shutdown_seconds({shutdown: "30"}) == 30
+    # The watchdogs' time: the stall time, before and after init() set the variables
+    assert stall_shutdown_seconds({}) == 300
+    for environ in ({ours: "5"}, {ours: "0"}):
+        assert stall_shutdown_seconds(environ) == int(environ[ours])
+        after_init = {**environ, **stall_settings(environ)}
+        assert stall_shutdown_seconds(after_init) == int(environ[ours])
+    assert stall_shutdown_seconds({shutdown: "30"}) == 30  # Horovod's alone, as the user set it
     assert stall_shutdown_seconds({shutdown: "30", "HOROVOD_STALL_CHECK_DISABLE": "1"}) == 0
-    assert stall_shutdown_seconds({}) == 300  # what init() would set
-    assert stall_shutdown_seconds({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": "0"}) == 0
     for bad in ("1.5", "-1", "soon", "1e3"):
         with pytest.raises(HvdtrainError, match="HVDTRAIN_STALL_SHUTDOWN_SECONDS.*received"):
             stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": bad})
@@ -385,7 +390,8 @@ def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
     from hvdtrain.watchdog import WatchdogCallback
 
     callback = WatchdogCallback()  # made before hvdtrain.init(): reads the time in fit
-    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "42")
+    monkeypatch.delenv("HVDTRAIN_STALL_SHUTDOWN_SECONDS", raising=False)
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "42")  # the user's
     callback.on_train_begin()
     assert callback.watchdog.timeout == 42
     callback.on_train_end()

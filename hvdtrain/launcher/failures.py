@@ -316,7 +316,7 @@ def explain(failure, hosts=()):
             f"{who} stopped making progress first: the other ranks waited for "
             f"{'them' if many else 'it'} in a collective for over "
             f"{failure.stalled} s, and Horovod's stall check ended the job (the time: "
-            "HVDTRAIN_STALL_SHUTDOWN_SECONDS); the job was ended"
+            "HVDTRAIN_STALL_SHUTDOWN_SECONDS, and one check); the job was ended"
         )
     if code == SSH_LOST:
         return (
