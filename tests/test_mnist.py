@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import re
 import subprocess
@@ -63,22 +64,11 @@ def test_a_checkpoint_of_one_keras_is_refused_by_the_other_in_one_line(first, th
 
 
 def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run_job(
-        1,
-        "none",
-        [
-            *MNIST,
-            "--epochs",
-            "1",
-            "--limit-samples",
-            "640",
-            "--model",
-            "mlp",
-            "--checkpoint-dir",
-            str(ckpt),
-        ],
-    )
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.json"
+    args = [*MNIST, "--epochs", "2", "--limit-samples", "640", "--model", "mlp", "--lr-decay",
+            "none", "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]  # fmt: skip
+    run_job(1, "none", args)
+    assert json.loads(metrics.read_text())["lr_final"] == pytest.approx(1e-3)  # kept
     code = (
         "import sys, numpy as np, tensorflow as tf;"
         f"m = tf.keras.models.load_model({str(ckpt / 'model.keras')!r});"
@@ -122,6 +112,17 @@ def test_sigkill_between_epochs_then_rerun_resumes_with_optimizer_state(tmp_path
     assert m["optimizer_iterations"] == 3 * steps
     assert len(m["history"]["loss"]) == 3  # the whole job: the resumed epochs too
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    # The main job's cosine decay, set again on the resumed epochs: the last one's x 2 ranks
+    assert m["lr_final"] == pytest.approx(2 * 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+
+
+def test_the_learning_rate_falls_along_a_half_cosine():
+    from hvdtrain.mnist import cosine_decay, parse_args
+
+    rates = [cosine_decay(epoch, 1e-3, 15) for epoch in range(15)]
+    assert rates[0] == 1e-3 and all(a > b for a, b in zip(rates[:-1], rates[1:], strict=True))
+    assert rates[-1] == pytest.approx(1e-3 * 0.011, rel=0.01)  # 1 % in the last epoch
+    assert parse_args([]).lr_decay == "cosine" and parse_args(["--lr-decay", "none"])
 
 
 def _one_error_line(proc, match, launcher_traceback=False):

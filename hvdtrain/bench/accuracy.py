@@ -95,6 +95,9 @@ def _run(argv):
     p.add_argument("--warmup-epochs", type=float, default=1.0,
                    help="the learning rate's warmup in every mode, and local SGD's "
                         "synchronous steps (under --epochs, or it never goes local)")  # fmt: skip
+    p.add_argument("--lr-decay", choices=("none", "cosine"), default="none",
+                   help="the main job's decay of the learning rate (none: as the tables of "
+                        "docs/exchanging-less.md were measured)")  # fmt: skip
     p.add_argument("--modes", default="local,diloco", help="of local, diloco")
     p.add_argument("--outer", default="", help="DiLoCo's LR:MOMENTUM pairs, e.g. 1:0.5,1:0")
     args = p.parse_args(argv)
@@ -120,7 +123,8 @@ def _run(argv):
                     "hvdtrain.mnist", "--model", args.model, "--data-dir", args.data_dir,
                     "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                     "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
-                    "--warmup-epochs", str(args.warmup_epochs), *flags]  # fmt: skip
+                    "--warmup-epochs", str(args.warmup_epochs), "--lr-decay", args.lr_decay,
+                    *flags]  # fmt: skip
             job = argv[argv.index("--") + 2 :]  # what `_done` compares: the job's own
             m = _done(metrics, job)
             if m is None:
