@@ -26,7 +26,6 @@ Re-running the same command with the same `--checkpoint-dir` resumes from the ne
 complete checkpoint.
 """
 
-import functools
 import math
 import os
 
@@ -112,7 +111,7 @@ def train(args):
     if args.lr_decay == "cosine":  # hvdtrain sets it alike on every rank, then scales it
         decay = lambda epoch, lr: cosine_decay(epoch, args.lr, args.epochs)  # noqa: E731
         callbacks.append(keras.callbacks.LearningRateScheduler(decay))
-    build = functools.partial(build_model, args.model, args.lr, args.keras)
+    build = lambda: build_model(args.model, args.lr, args.keras)  # noqa: E731
     return fit(build, load, args, callbacks=callbacks, prog=PROG)
 
 
