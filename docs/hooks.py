@@ -16,6 +16,7 @@ MODULES = {  # the order and titles of the API page's sections
     "trainer": "The recipe",
     "flags": "Flags",
     "data": "Data",
+    "forms": "What a data form is",
     "records": "Data in files",
     "batches": "Batches made in Python",
     "mnist_data": "MNIST",

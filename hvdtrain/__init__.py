@@ -47,6 +47,7 @@ _EXPORTS = {
     "ArgumentParser": "flags",
     "TrainConfig": "flags",
     # data
+    "as_data": "forms",
     "Data": "data",
     "ArrayData": "data",
     "DatasetData": "data",

@@ -34,6 +34,7 @@ class RanksDisagree(HvdtrainError):
     anything is checkpointed from them."""
 
     exit_code = 6
+    status = "ranks_disagree"  # in the metrics JSON
 
 
 def weights_checksums(model):

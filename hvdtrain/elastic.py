@@ -291,7 +291,7 @@ class _Record:
                 "steps_per_epoch": plan.steps,
                 "global_batch": plan.global_batch,
                 "warmup_steps": plan.warmup_steps,
-                "lr_scaled": r.lr_scaled(),
+                "lr_scaled": r.built.lr_scaled(),
                 "lr_now": float(r.built.schedule(plan.start_step)),
             }
         )
@@ -470,9 +470,9 @@ def run(recipe):
         state.epoch, state.batch = divmod(step, recipe.plan.steps)
         state.global_batch = recipe.plan.global_batch
         record.started()
-        ex = recipe.built.exchange  # --sync local/diloco: the ranks agree at exchanges only
+        # The ranks agree at exchanges only under --sync local/diloco: commits wait for one.
         commit = CommitStateCallback(
-            state, recipe.cfg.commit_every, record.committed, ex and ex.in_agreement
+            state, recipe.cfg.commit_every, record.committed, recipe.built.exchange.in_agreement
         )
         # Horovod: epoch and step into the state, then checkpoint, then commit.
         recipe.train(

@@ -81,6 +81,7 @@ class TrainingDiverged(HvdtrainError):
     stops at the same step, nothing is checkpointed after it. Exit status 3."""
 
     exit_code = 3
+    status = "diverged"  # in the metrics JSON
 
 
 class OutputsNotWritten(HvdtrainError):

@@ -4,8 +4,12 @@ of `hvdtrain.fit` where each rank takes H steps on its own between two exchanges
     hvdtrain-run -np 4 -- python train.py --sync local --sync-every 16
     hvdtrain-run -np 4 -- python train.py --sync diloco --sync-every 64 --outer-lr 0.7
 
-`--sync step` (the default) averages the gradients at every step, as Horovod does; nothing of
-this module runs then. Under the other two:
+How the ranks exchange is one strategy object per mode, built from the config in one place
+(`for_config`) and called by the recipe (`hvdtrain.trainer`) without asking which it holds,
+as PyTorch DDP calls its communication hook: `Exchange` is `--sync step` (the default: the
+distributed optimizers average the gradients at every step, as Horovod does, and nothing is
+left to do between steps), `LocalSGD` is `--sync local` and `DiLoCo` `--sync diloco`. A new
+mode is a new subclass. Under the two that exchange less:
 
 - **Gradients.** The model's distributed optimizers average their gradients during the
   synchronous warmup (`--sync-warmup-steps`: the learning rate's warmup under `local`, none
@@ -33,12 +37,19 @@ this module runs then. Under the other two:
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvdtrain.flags import OUTER, SYNC_EVERY
+from hvdtrain import optim, watchdog
+from hvdtrain.flags import OUTER, float16_refused
 from hvdtrain.gate import Gate
 
-__all__ = ["Exchange", "ExchangeCallback", "exchange_due", "fitting_steps_per_execution"]
-
-NAMES = {"local": "local SGD", "diloco": "DiLoCo"}
+__all__ = [
+    "Exchange",
+    "LocalSGD",
+    "DiLoCo",
+    "ExchangeCallback",
+    "for_config",
+    "exchange_due",
+    "fitting_steps_per_execution",
+]
 
 
 def exchange_due(step_in_epoch, steps_per_epoch, every):
@@ -52,75 +63,135 @@ def fitting_steps_per_execution(default, every):
     return max(d for d in range(1, min(default, every) + 1) if every % d == 0)
 
 
-class OuterState(tf.Module):
-    """DiLoCo's outer optimizer state: a momentum per trainable variable. Checkpointed beside
-    the optimizers, broadcast and committed with them (it has their `variables` and `built`)."""
-
-    built = True
-
-    def __init__(self, variables):
-        super().__init__(name="hvdtrain_outer")
-        self.momentum = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+def for_config(cfg):
+    """The exchange strategy of `cfg.sync` (a `TrainConfig`): the one place a mode's name
+    picks its class."""
+    return STRATEGIES[cfg.sync](cfg)
 
 
 class Exchange:
-    """The exchanges of one run (see the module): made in `Run.setup`, started at every
-    (re)start (`begin`), driven by `ExchangeCallback`."""
+    """How the ranks exchange, as the recipe (`hvdtrain.trainer`) asks it, and `--sync step`
+    itself: the distributed optimizers average the gradients of every step (Horovod's way),
+    so this strategy has nothing to do between steps. Another strategy is a subclass; the
+    recipe calls these methods and never asks which one it holds.
 
-    def __init__(self, cfg, model, optimizers):
-        from hvdtrain import optim
+    The order of the calls: `steps_per_execution` and `check_policy` before the model's
+    optimizers are distributed, `attach` once they are, `holders` for the checkpoints and
+    the broadcast, `begin` at every (re)start, `callbacks` for each `fit`, `before_checkpoint`
+    before a mid-epoch checkpoint, `in_agreement` where an elastic run would commit, and
+    `describe` / `summary` for the run's first line and its metrics JSON.
+    """
 
-        self.mode, self.every = cfg.sync, cfg.sync_every or SYNC_EVERY
+    mode = "step"
+    exchanges_rarely = False  # the ranks meet at every step: Horovod's usual cycle time
+    agrees_every_step = True  # the ranks hold the same weights after every step
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def steps_per_execution(self, default):
+        """The steps per execution the run takes, from `default`."""
+        return default
+
+    def check_policy(self, policy):
+        """Refuses, in one line, a mixed-precision policy this strategy cannot train with."""
+
+    def attach(self, model, optimizers):
+        """Once the model's optimizers are distributed (`hvdtrain.prepare`)."""
+
+    def holders(self):
+        """{name: the state this strategy keeps beside the model and its optimizers}:
+        checkpointed (where a checkpoint holds it), broadcast and committed with them."""
+        return {}
+
+    def begin(self, start_step, lr_warmup_steps):
+        """At every (re)start, once every rank holds the same weights (broadcast, restored)."""
+
+    def callbacks(self, steps_per_epoch, start_step, check):
+        """The callbacks that drive it, first among `fit`'s: `check(when)` is the check that
+        the ranks agree, to call where they should."""
+        return []
+
+    def before_checkpoint(self):
+        """Every rank, before a mid-epoch checkpoint: the ranks' whole state made one."""
+
+    def in_agreement(self):
+        """True when the ranks hold the same model now."""
+        return True
+
+    def describe(self):
+        """Its part of the run's first line ("" for none)."""
+        return ""
+
+    def summary(self):
+        """The metrics JSON's `sync` section."""
+        return {"mode": self.mode}
+
+
+class LocalSGD(Exchange):
+    """`--sync local`: post-local SGD (see the module). Each rank takes H steps on its own
+    between exchanges that set every rank's weights to the ranks' mean."""
+
+    mode = "local"
+    name = "local SGD"
+    exchanges_rarely = True  # the ranks meet every H steps: a longer Horovod cycle
+    agrees_every_step = False
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.every = cfg.exchange_every
         self.warmup_flag = cfg.sync_warmup_steps
-        self.outer_lr = cfg.outer_lr if cfg.outer_lr is not None else OUTER["outer_lr"]
-        self.momentum = cfg.outer_momentum
-        if self.momentum is None:
-            self.momentum = OUTER["outer_momentum"]
         self.compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         self.gate = Gate()
-        optimizers = list(optimizers)
-        for opt in optimizers:
-            getattr(opt, "inner_optimizer", opt)._hvdtrain_gate = self.gate
-        self.weights = optim._tf_variables(model.trainable_variables)
-        # Averaged as they are: the model's other float state (BatchNorm's statistics) at
-        # every exchange; the optimizers' float state, but their step counters and learning
-        # rates, at whole ones only.
-        self.state = [
-            v for v in optim._tf_variables(model.non_trainable_variables) if v.dtype.is_floating
-        ]
-        self.opt_state = []
-        for opt in optimizers:
-            lr = getattr(opt, "_learning_rate", None)
-            self.opt_state += [
-                v
-                for v in optim._tf_variables(opt.variables)
-                if v.dtype.is_floating and v is not getattr(lr, "value", lr)
-                and "learning_rate" not in v.name
-            ]  # fmt: skip
-        self.anchor = [tf.Variable(v, trainable=False) for v in self.weights]
-        self.outer = OuterState(self.weights) if self.mode == "diloco" else None
+        # Set by `attach`: the trainable weights, the model's other float state (BatchNorm's
+        # statistics: averaged at every exchange), the optimizers' float state (averaged at
+        # whole exchanges only), the anchor (the weights where the ranks last agreed).
+        self.weights, self.state, self.opt_state, self.anchor = [], [], [], []
+        self.per_exchange = 0  # bytes on the wire per exchange
         self.warmup = 0  # synchronous steps first: set by `begin`
         # The global step now, where the ranks' models last agreed, and their optimizers.
         self.step = self.agreed = self.agreed_whole = 0
         self.exchanges = self.bytes = 0  # this process's, since the run began
-        self.per_exchange = _bytes(self.weights, self.compression) + _bytes(self.state)
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self._exchange_fn = self._state_fn = None
 
-    def holders(self):
-        """{name: the state this run keeps beside the model and its optimizers}: DiLoCo's
-        outer momentum, checkpointed (where a checkpoint holds it), broadcast, committed."""
-        return {"exchange_outer": self.outer} if self.outer is not None else {}
+    def steps_per_execution(self, default):
+        return fitting_steps_per_execution(default, self.every)  # exchanges at their ends
+
+    def check_policy(self, policy):
+        if policy == "mixed_float16":  # --mixed-precision auto on a GPU
+            raise float16_refused(self.cfg)
+
+    def attach(self, model, optimizers):
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            optim.gate_gradients(opt, self.gate)
+        self.weights = optim.tf_variables(model.trainable_variables)
+        self.state = [
+            v for v in optim.tf_variables(model.non_trainable_variables) if v.dtype.is_floating
+        ]
+        self.opt_state = [v for opt in optimizers for v in optim.slot_variables(opt)]
+        self.anchor = [tf.Variable(v, trainable=False) for v in self.weights]
+        self.per_exchange = _bytes(self.weights, self.compression) + _bytes(self.state)
+
+    def default_warmup(self, lr_warmup_steps):
+        """Synchronous steps first unless `--sync-warmup-steps` says: the learning rate's."""
+        return lr_warmup_steps
 
     def begin(self, start_step, lr_warmup_steps):
-        """At every (re)start, once every rank holds the same weights (broadcast, restored)."""
-        default = lr_warmup_steps if self.mode == "local" else 0
-        self.warmup = self.warmup_flag if self.warmup_flag is not None else default
+        flag = self.warmup_flag
+        self.warmup = flag if flag is not None else self.default_warmup(lr_warmup_steps)
         self.syncing = start_step < self.warmup
         self.gate.on.assign(self.syncing)
         for a, w in zip(self.anchor, self.weights, strict=True):
             a.assign(w)
         self.step = self.agreed = self.agreed_whole = start_step
+
+    def callbacks(self, steps_per_epoch, start_step, check):
+        return [ExchangeCallback(self, steps_per_epoch, start_step, check)]
+
+    def before_checkpoint(self):
+        self.now(whole=True)
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
@@ -137,19 +208,16 @@ class Exchange:
         return False
 
     def in_agreement(self):
-        """True when the ranks hold the same model now (after an exchange, in the warmup)."""
         return self.agreed == self.step
 
     def now(self, whole=False):
         """Exchanges unless the ranks' models already agree; with `whole`, also averages the
         optimizers' state unless it agrees (a collective: every rank calls it at the same
         point, with the same `whole`). Returns True if it exchanged the weights."""
-        from hvdtrain import watchdog
-
         exchanged = not self.in_agreement()
         averaging = whole and self.opt_state and self.agreed_whole != self.step
         if exchanged or averaging:
-            watchdog.waiting(f"exchanging weights with the other ranks ({NAMES[self.mode]})")
+            watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
         if exchanged:
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost
                 self._exchange_fn = tf.function(self._exchange, autograph=False)  # more
@@ -167,21 +235,17 @@ class Exchange:
         return exchanged
 
     def _exchange(self):
-        from hvdtrain import optim
-
         deltas = [a - w for a, w in zip(self.anchor, self.weights, strict=True)]
-        mean = optim.packed(deltas, "hvdtrain.exchange", self._average)
-        if self.outer is None:  # the ranks' mean weights: anchor - mean(anchor - weights)
-            for a, d in zip(self.anchor, mean, strict=True):
-                a.assign_sub(d)
-        else:  # Nesterov SGD on the pseudo-gradient, as torch.optim.SGD(nesterov=True)
-            mu, lr = self.momentum, self.outer_lr
-            for a, m, d in zip(self.anchor, self.outer.momentum, mean, strict=True):
-                m.assign(mu * m + d)
-                a.assign_sub(lr * (d + mu * m))
+        self.move_anchor(optim.packed(deltas, "hvdtrain.exchange", self._average))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
         _average_as_they_are(self.state, "hvdtrain.exchange.state")
+
+    def move_anchor(self, mean):
+        """The anchor moved by the ranks' mean change: to the ranks' mean weights,
+        anchor - mean(anchor - weights)."""
+        for a, d in zip(self.anchor, mean, strict=True):
+            a.assign_sub(d)
 
     def _average_state(self):
         _average_as_they_are(self.opt_state, "hvdtrain.exchange.optimizers")
@@ -190,22 +254,18 @@ class Exchange:
         return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
 
     def describe(self):
-        """For the run's first line: `local SGD every 16 steps after 100 synchronous`."""
-        out = f"{NAMES[self.mode]} every {self.every} steps"
+        out = f"{self.name} every {self.every} steps"
         if self.warmup:
             out += f" after {self.warmup} synchronous"
-        if self.outer is not None:
-            out += f", outer lr {self.outer_lr:g} momentum {self.momentum:g}"
         return out
 
     def summary(self):
-        """The metrics JSON's `sync` section."""
         return {
             "mode": self.mode,
             "every": self.every,
             "warmup_steps": self.warmup,
-            "outer_lr": self.outer_lr if self.outer is not None else None,
-            "outer_momentum": self.momentum if self.outer is not None else None,
+            "outer_lr": None,
+            "outer_momentum": None,
             "fp16": self.compression is hvd.Compression.fp16,
             "exchanges": self.exchanges,
             "bytes_per_exchange": self.per_exchange,
@@ -213,12 +273,64 @@ class Exchange:
         }
 
 
+class OuterState(tf.Module):
+    """DiLoCo's outer optimizer state: a momentum per trainable variable. Checkpointed beside
+    the optimizers, broadcast and committed with them (it has their `variables` and `built`)."""
+
+    built = True
+
+    def __init__(self, variables):
+        super().__init__(name="hvdtrain_outer")
+        self.momentum = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+
+
+class DiLoCo(LocalSGD):
+    """`--sync diloco`: local SGD whose exchange gives the ranks' mean change to an outer
+    Nesterov SGD (`--outer-lr`, `--outer-momentum`) that moves the anchor; no synchronous
+    warmup unless `--sync-warmup-steps` asks for one."""
+
+    mode = "diloco"
+    name = "DiLoCo"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.outer_lr = cfg.outer_lr if cfg.outer_lr is not None else OUTER["outer_lr"]
+        self.momentum = cfg.outer_momentum
+        if self.momentum is None:
+            self.momentum = OUTER["outer_momentum"]
+        self.outer = None  # `OuterState`, by `attach`
+
+    def attach(self, model, optimizers):
+        super().attach(model, optimizers)
+        self.outer = OuterState(self.weights)
+
+    def holders(self):
+        return {"exchange_outer": self.outer}
+
+    def default_warmup(self, lr_warmup_steps):
+        return 0
+
+    def move_anchor(self, mean):
+        """Nesterov SGD on the pseudo-gradient, as torch.optim.SGD(nesterov=True)."""
+        mu, lr = self.momentum, self.outer_lr
+        for a, m, d in zip(self.anchor, self.outer.momentum, mean, strict=True):
+            m.assign(mu * m + d)
+            a.assign_sub(lr * (d + mu * m))
+
+    def describe(self):
+        return f"{super().describe()}, outer lr {self.outer_lr:g} momentum {self.momentum:g}"
+
+    def summary(self):
+        return {**super().summary(), "outer_lr": self.outer_lr, "outer_momentum": self.momentum}
+
+
+STRATEGIES = {cls.mode: cls for cls in (Exchange, LocalSGD, DiLoCo)}
+
+
 def _average_as_they_are(variables, name):
     """Sets `variables` to their mean over the ranks (full precision), in one allreduce."""
     if not variables:
         return
-    from hvdtrain import optim
-
     average = lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)  # noqa: E731
     for v, value in zip(variables, optim.packed(variables, name, average), strict=True):
         v.assign(value)
@@ -234,11 +346,11 @@ def _bytes(tensors, compression=hvd.Compression.none):
 
 
 class ExchangeCallback(tf.keras.callbacks.Callback):
-    """Drives an `Exchange` (every rank): first among the callbacks, so that all the others
+    """Drives a `LocalSGD` (every rank): first among the callbacks, so that all the others
     (the checks, metrics, checkpoints, the user's) see the exchanged weights at an epoch's end.
 
     Args:
-        exchange: the run's `Exchange`.
+        exchange: the run's `LocalSGD` (or `DiLoCo`).
         steps_per_epoch: steps in a full epoch.
         start_step: the global step the run starts at (a resume: mid-epoch).
         check: `(when) -> None`, the agreement check, after the run's first exchange.

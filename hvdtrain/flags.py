@@ -144,6 +144,11 @@ class TrainConfig:
             raise invalid_value("--metrics-json", self.metrics_json, "a file path, not a folder")
         _check_sync(self)
 
+    @property
+    def exchange_every(self):
+        """H under `--sync local/diloco`: `sync_every`, else its default (16)."""
+        return self.sync_every or SYNC_EVERY
+
 
 def float16_refused(c):
     """The refusal of float16 (loss scaling) under `--sync local/diloco`: here for the flag,
@@ -188,7 +193,7 @@ def _check_sync(c):
         )
     if c.mixed_precision == "float16":
         raise float16_refused(c)
-    spe, every = c.steps_per_execution, c.sync_every or SYNC_EVERY
+    spe, every = c.steps_per_execution, c.exchange_every
     if spe is not None and every % spe:
         raise invalid_value(
             "--steps-per-execution",

@@ -18,6 +18,11 @@ __all__ = [
     "fp16_compression",
     "broadcast_initial_state",
     "average_model_state",
+    "gate_gradients",
+    "packed",
+    "slot_variables",
+    "state_variables",
+    "tf_variables",
 ]
 
 
@@ -67,6 +72,29 @@ def broadcast_initial_state(model, optimizer=None, root_rank=0):
     )
 
 
+def gate_gradients(optimizer, gate):
+    """Makes `optimizer` (one of hvdtrain's distributed optimizers, either Keras) average its
+    gradients only while `gate` (a `hvdtrain.gate.Gate`) is on."""
+    getattr(optimizer, "inner_optimizer", optimizer)._hvdtrain_gate = gate
+
+
+def slot_variables(optimizer):
+    """`optimizer`'s float state of its own (Adam's moments, momentum): its variables but its
+    step counter and its learning rate (a variable, or a `WarmupSchedule`'s single-worker
+    rate), found by what they are, not by their names."""
+    held = _learning_rate(optimizer)
+    held = getattr(held, "rate", held)  # a WarmupSchedule: its single-worker rate, or None
+    rate = {id(held), id(getattr(held, "value", held))}
+    return [
+        v for v in tf_variables(optimizer.variables) if v.dtype.is_floating and id(v) not in rate
+    ]
+
+
+def _learning_rate(optimizer):
+    """What `optimizer` holds as its learning rate: a variable, or a schedule."""
+    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
+
+
 def state_variables(model, optimizer=None):
     """The `tf.Variable`s of `model` and `optimizer` (built; a loss scale's too; a list or a
     dict of optimizers), in a fixed order: what a rank must share with the others to train
@@ -76,10 +104,10 @@ def state_variables(model, optimizer=None):
     frontend = frontends.owner(model)
     for opt in _each(optimizer):
         variables += frontend.optimizer_variables(opt) if frontend else opt.variables
-        schedule = getattr(getattr(opt, "inner_optimizer", opt), "_learning_rate", None)
+        schedule = _learning_rate(opt)
         if isinstance(schedule, WarmupMath) and schedule.rate is not None:
             variables.append(schedule.rate)
-    return _tf_variables(variables)
+    return tf_variables(variables)
 
 
 def _each(optimizers):
@@ -110,7 +138,7 @@ def average_model_state(model):
     moving statistics from its own batches, so they drift apart; averaging them at the end
     of each epoch gives every rank (and rank 0's checkpoint) statistics of all the data.
     """
-    state = [v for v in _tf_variables(model.non_trainable_variables) if v.dtype.is_floating]
+    state = [v for v in tf_variables(model.non_trainable_variables) if v.dtype.is_floating]
     _by_position(
         state, "hvdtrain.state", lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)
     )
@@ -128,7 +156,7 @@ def _by_position(variables, prefix, collective):
     """
     if hvd.size() == 1 or not variables:
         return
-    variables = _tf_variables(variables)
+    variables = tf_variables(variables)
     for v, value in zip(variables, packed(variables, prefix, collective), strict=True):
         v.assign(value)
 
@@ -149,6 +177,6 @@ def packed(tensors, prefix, collective):
     return out
 
 
-def _tf_variables(variables):
+def tf_variables(variables):
     """The `tf.Variable`s (what Horovod's ops take): Keras 2's are, Keras 3's hold one."""
     return [v if isinstance(v, tf.Variable) else v.value for v in variables]

@@ -30,10 +30,12 @@ built yet (its weights would appear after the broadcast); a legacy Keras 2 optim
 
 import dataclasses
 
+import numpy as np
+
 from hvdtrain import optim, rates
 from hvdtrain.errors import invalid_value
 
-__all__ = ["Optimizers", "find_optimizers", "distribute", "trains_itself"]
+__all__ = ["Optimizers", "check_class_weight", "find_optimizers", "distribute", "trains_itself"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,4 +229,25 @@ def _check_trainable(model, frontend):
             "own train_step)",
             "model.compile(optimizer=..., loss=...), losses added with add_loss, or a "
             "train_step of the model's own",
+        )
+
+
+def check_class_weight(class_weight, model):
+    """`class_weight` as Keras's `fit` takes it, or a one-line error now rather than a
+    traceback at the first step: {class index: weight}, for a model of one output."""
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict) or not all(
+        isinstance(c, (int, np.integer)) and isinstance(w, (int, float, np.number))
+        for c, w in class_weight.items()
+    ):
+        raise invalid_value("class_weight", class_weight, "{class index: weight}")
+    outputs = len(getattr(model, "outputs", None) or ())  # None: a subclass not yet called
+    if outputs > 1:
+        raise invalid_value(
+            "class_weight",
+            class_weight,
+            f"a model with one output (Keras weighs the classes of one output only; this "
+            f"model has {outputs}): weigh the samples instead, "
+            "`hvdtrain.ArrayData(x, y, sample_weight=...)`",
         )

@@ -113,7 +113,9 @@ def _whole_lines():
                 pass
 
 
-def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, sync="step"):
+def init(
+    threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, exchanges_rarely=False
+):
     """Initialises Horovod and this process's devices; call once, before building models.
 
     Performance defaults (`hvdtrain.tuning`, measured by `python -m hvdtrain.bench`):
@@ -135,8 +137,9 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
             HVDTRAIN_STALL_SHUTDOWN_SECONDS, else 300; 0 turns both off. The HOROVOD_STALL_*
             variables, when set, win. Also prints `hvdtrain: rank R failed: ...` after an
             uncaught exception's traceback.
-        sync: `hvdtrain.fit`'s `--sync`: under "local" and "diloco" the ranks meet rarely,
-            and Horovod's cycle is longer (`hvdtrain.tuning.EXCHANGE_CYCLE_TIME_MS`).
+        exchanges_rarely: the ranks meet every few steps only (`hvdtrain.fit`'s `--sync
+            local` and `diloco`: its exchange strategy says so), and Horovod's cycle is
+            longer (`hvdtrain.tuning.EXCHANGE_CYCLE_TIME_MS`).
 
     Returns:
         The GPU index used, or None on a CPU-only host.
@@ -148,7 +151,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
     if problem:  # before hvd.init(), where Gloo would crash without a word
         raise HvdtrainError(problem)
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
-    settings = tuning.horovod_settings(os.environ, exchanges_rarely=sync != "step")
+    settings = tuning.horovod_settings(os.environ, exchanges_rarely=exchanges_rarely)
     os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
     hvd.init(comm=comm)

@@ -36,13 +36,10 @@ under Horovod Elastic (`hvdtrain.elastic`). A user mistake is one line and exit 
 """
 
 import dataclasses
-import inspect
 import os
 import re
 import sys
 import time
-
-import numpy as np
 
 from hvdtrain import (
     agreement,
@@ -52,25 +49,24 @@ from hvdtrain import (
     frontends,
     metrics,
     optim,
+    precision,
     prepare,
     rates,
+    resume,
     runtime,
+    summary,
     tuning,
     usercallbacks,
     watchdog,
 )
-from hvdtrain import batches as batchmod
 from hvdtrain import callbacks as cb
 from hvdtrain import data as datamod
 from hvdtrain.checkpoint import CheckpointManager
-from hvdtrain.errors import (
-    HvdtrainError,
-    OutputsNotWritten,
-    TrainingDiverged,
-    invalid_value,
-)
-from hvdtrain.flags import float16_refused, make_config
+from hvdtrain.errors import HvdtrainError, OutputsNotWritten, TrainingDiverged
+from hvdtrain.flags import make_config
+from hvdtrain.forms import as_data
 from hvdtrain.logs import get_logger
+from hvdtrain.resume import resume_step
 
 __all__ = ["fit", "resume_step"]
 
@@ -86,9 +82,11 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
             metrics, or a model that customizes `fit` (a `train_step` of its own, a
             `compile` of its own holding several optimizers: `hvdtrain.prepare` says where
             they are found). Called on every rank; it must build the same model each time.
-        data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`), (x, y) arrays,
-            ((x, y), (x_test, y_test)), or a function returning one of those, called on
-            every rank after `hvdtrain.init()` (it may use collectives).
+        data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`, `BatchData`), (x, y)
+            arrays, ((x, y), (x_test, y_test)), batches made in Python (a Keras `PyDataset`
+            or `Sequence`, a generator or generator function, alone or as (train, test)),
+            or a function returning one of those, called on every rank after
+            `hvdtrain.init()` (it may use collectives): `hvdtrain.as_data` says which.
         config: a `TrainConfig`, the namespace of `hvdtrain.ArgumentParser`, a dict or None.
         callbacks: Keras callbacks (Keras's own or yours), as Keras's `fit` takes them: those
             that write run on rank 0 only, those that steer (EarlyStopping,
@@ -108,53 +106,13 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
             run.train()
             result = run.evaluate()
             ranks = run.check()
-        except TrainingDiverged as e:
-            run.write_metrics({**run.summary(), "status": "diverged", "error": str(e)})
-            raise
-        except agreement.RanksDisagree as e:
-            run.write_metrics({**run.summary(), "status": "ranks_disagree", "error": str(e)})
+        except (TrainingDiverged, agreement.RanksDisagree) as e:
+            run.write_metrics(summary.failed(run, e))
             raise
         return run.finish(result, ranks)
     finally:
         if run.guard is not None:
             run.guard.stop()
-
-
-def _check_class_weight(class_weight, model):
-    """`class_weight` as Keras's `fit` takes it, or a one-line error now rather than a
-    traceback at the first step: {class index: weight}, for a model of one output."""
-    if class_weight is None:
-        return
-    if not isinstance(class_weight, dict) or not all(
-        isinstance(c, (int, np.integer)) and isinstance(w, (int, float, np.number))
-        for c, w in class_weight.items()
-    ):
-        raise invalid_value("class_weight", class_weight, "{class index: weight}")
-    outputs = len(getattr(model, "outputs", None) or ())  # None: a subclass not yet called
-    if outputs > 1:
-        raise invalid_value(
-            "class_weight",
-            class_weight,
-            f"a model with one output (Keras weighs the classes of one output only; this "
-            f"model has {outputs}): weigh the samples instead, "
-            "`hvdtrain.ArrayData(x, y, sample_weight=...)`",
-        )
-
-
-def resume_step(saved, steps, global_batch, accumulate=1):
-    """The global step to resume at from a checkpoint's manifest (`epoch`, `step`,
-    `global_batch`), for a run with `steps` per epoch and `global_batch` samples per step.
-
-    Pure. The rule: keep the completed epochs and the samples seen in the interrupted one;
-    with another global batch (another number of ranks), the step in the epoch is the
-    number of whole new batches those samples fill, rounded down to a whole accumulation
-    cycle. The optimizer's step (and so the LR schedule) is set to the result.
-    """
-    epoch, step = int(saved.get("epoch") or 0), int(saved.get("step") or 0)
-    old_batch = saved.get("global_batch") or global_batch
-    step = min(step * old_batch // global_batch, steps - 1) if step else 0
-    step -= step % accumulate
-    return epoch * steps + step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +126,12 @@ class Built:
     policy: str | None  # the mixed-precision policy
     steps_per_execution: int
     manager: CheckpointManager | None  # with --checkpoint-dir
-    exchange: exchange.Exchange | None  # with --sync local or diloco
+    exchange: exchange.Exchange  # how the ranks exchange (--sync)
 
     def state_holders(self):
         """The optimizers and what else holds training state beside the model (DiLoCo's
         outer momentum), by name: broadcast, checkpointed and committed together."""
-        return {**self.optimizers.by_name, **(self.exchange.holders() if self.exchange else {})}
+        return {**self.optimizers.by_name, **self.exchange.holders()}
 
     @property
     def reported(self):
@@ -184,6 +142,16 @@ class Built:
     def schedule(self):
         """Its learning rate's `WarmupSchedule`."""
         return self.optimizers.schedules[self.optimizers.reported]
+
+    def lr_base(self):
+        """The single-worker learning rate (a number), or its schedule's name."""
+        base = self.schedule.base_lr
+        return base if isinstance(base, float) else type(base).__name__
+
+    def lr_scaled(self):
+        """The learning rate x ranks after the warmup (a number; None for a schedule)."""
+        base = self.schedule.base_lr
+        return rates.scaled_lr(base, self.schedule.size) if isinstance(base, float) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +197,8 @@ class Run:
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
         cfg = self.cfg
-        runtime.init(threads=cfg.threads, sync=cfg.sync)
+        ex = exchange.for_config(cfg)  # --sync: how the ranks exchange
+        runtime.init(threads=cfg.threads, exchanges_rarely=ex.exchanges_rarely)
         place = datamod.Placement.current()
         rank = place.rank
         self.log = get_logger(rank)
@@ -243,7 +212,7 @@ class Run:
         # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
         # The seed and the precision policy go to each Keras the script imported (the model's
         # Keras is known once it is built; one imported inside `build_model` builds it again).
-        policy = _policy(cfg.mixed_precision)
+        policy = precision.policy(cfg.mixed_precision)
         prepared = frontends.loaded()
         for frontend in prepared:
             self._prepare(frontend, rank, policy)
@@ -253,16 +222,14 @@ class Run:
             self._prepare(k, rank, policy)
             model = self._built()
         k.compiled(model)  # Keras 3 given Keras 2's positional metrics: one line
-        _check_class_weight(self.class_weight, model)
+        prepare.check_class_weight(self.class_weight, model)
         xla = k.jit_compile(model)
-        if policy and _plain(model, k):  # outputs back to float32 for a stable loss
-            model = _float32_outputs(model, k)
+        if policy:  # a plain model's outputs back to float32 for a stable loss
+            model = precision.float32_outputs(model, k)
+        ex.check_policy(policy)
         per_step = bool(cfg.checkpoint_every or cfg.deterministic)
         spe = cfg.steps_per_execution or (1 if per_step else tuning.STEPS_PER_EXECUTION)
-        if cfg.sync != "step":  # the ranks exchange at an execution's end
-            spe = exchange.fitting_steps_per_execution(spe, cfg.sync_every or exchange.SYNC_EVERY)
-            if policy == "mixed_float16":  # --mixed-precision auto on a GPU
-                raise float16_refused(cfg)
+        spe = ex.steps_per_execution(spe)
         if spe > 1 and usercallbacks.own_batch_hooks(self.user_callbacks):
             self.log.warning(
                 "a callback of yours has batch hooks: Keras calls them once every %d steps (at "
@@ -277,8 +244,7 @@ class Run:
         k.configure(model, spe)
         if xla:
             self.log.warning("jit_compile turned off: Horovod's allreduce cannot be XLA-compiled")
-        # --sync local/diloco: each rank steps on its own between exchanges of weights.
-        ex = exchange.Exchange(cfg, model, optimizers) if cfg.sync != "step" else None
+        ex.attach(model, optimizers)
         manager = None
         if cfg.checkpoint_dir:
             manager = CheckpointManager(
@@ -286,7 +252,7 @@ class Run:
                 model,
                 optimizers.by_name,
                 keep=cfg.keep_checkpoints,
-                optional=ex.holders() if ex else None,
+                optional=ex.holders(),
             )
         self.built = Built(k, model, optimizers, policy, spe, manager, ex)
 
@@ -325,7 +291,7 @@ class Run:
         watchdog.holding("set-up: preparing the data (loading, counting, agreeing)")
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
-        data = runtime.agree(lambda: _as_data(self.data_source, cfg.limit_samples))
+        data = runtime.agree(lambda: as_data(self.data_source, cfg.limit_samples))
         runtime.agree(lambda: data.prepare(p, cfg.seed))
         if first:
             self.log.info("data: %s", data.describe())
@@ -337,11 +303,15 @@ class Run:
         global_batch = per_rank * p.size
         # Horovod: the LR scale and warmup follow the number of ranks.
         warmup_steps = round(cfg.warmup_epochs * steps)  # iterations count micro-steps
-        for schedule in b.optimizers.schedules.values():
+        schedules = b.optimizers.schedules
+        for schedule in schedules.values():
             rates.rescale_schedule(b.model, schedule, p.size, warmup_steps)
         if position is None:
             watchdog.holding("set-up: resuming from the newest checkpoint")
-            start_step = self._resume(p, steps, global_batch)
+            r = resume.from_newest(b.manager, cfg, p, steps, per_rank, schedules, self.log)
+            start_step, self.resumed, self.stopped = r.start_step, r.where, r.stopped
+            self.history = dict(r.history)
+            self.history_before = {k: list(v) for k, v in r.history.items()}
             # Horovod: start every rank from rank 0's weights and optimizer state.
             optim.broadcast_initial_state(b.model, list(b.state_holders().values()))
         else:
@@ -349,8 +319,7 @@ class Run:
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
             start_step = resume_step(saved, steps, global_batch)
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
-        if b.exchange is not None:  # the ranks hold the same weights here: the anchor
-            b.exchange.begin(start_step, warmup_steps)
+        b.exchange.begin(start_step, warmup_steps)  # every rank holds the same weights here
         watchdog.holding("set-up: preparing the test set")
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
         self.plan = Plan(p, data, steps, per_rank, global_batch, warmup_steps, start_step, test_ds)
@@ -364,86 +333,6 @@ class Run:
             files.check_writable(cfg.metrics_json, "--metrics-json")
         if cfg.log_dir:
             files.check_writable(cfg.log_dir, "--log-dir", folder=True)
-
-    def _resume(self, place, steps, global_batch):
-        manager = self.built.manager
-        if not manager:
-            return 0
-
-        # Horovod: rank 0 reads the checkpoint; the broadcast hands it to every rank.
-        import horovod.tensorflow as hvd
-
-        def latest():
-            found = manager.latest()  # the folder was checked by `_check_outputs`
-            if found is None and self.cfg.require_resume:
-                raise HvdtrainError(
-                    f"nothing to resume from in --checkpoint-dir {manager.directory}: "
-                    f"{manager.found()}; --require-resume refuses to start over. Point "
-                    "--checkpoint-dir at the run's checkpoints, or drop --require-resume to "
-                    "start from scratch."
-                )
-            if found is None and manager.skipped:
-                self.log.warning(
-                    "no usable checkpoint in %s: %s; starting from scratch and leaving them as "
-                    "they are (--require-resume refuses to start over)",
-                    manager.directory,
-                    manager.found(),
-                )
-            return found and manager.restore(found).to_dict()
-
-        saved = runtime.agree(latest, root_only=True)
-        saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.resume")
-        if not saved:
-            return 0
-        step = resume_step(saved, steps, global_batch, self.cfg.accumulate)
-        # The metrics of the epochs done before, so the metrics JSON covers the whole job.
-        done = step // steps
-        self.history = {
-            k: list(v)[:done] for k, v in (saved.get("history") or {}).items() if list(v)[:done]
-        }
-        self.history_before = {k: list(v) for k, v in self.history.items()}
-        extra = saved.get("extra") or {}
-        # A callback's stop holds for the same command; asking for more epochs trains on.
-        if extra.get("stopped") and step % steps == 0 and self.cfg.epochs <= extra["stopped"]:
-            self.stopped = step // steps - 1
-        for name, rate in (extra.get("single_worker_lr") or {}).items():
-            schedule = self.built.optimizers.schedules.get(name)
-            if schedule is not None and schedule.rate is not None:
-                schedule.set_single_worker(rate)  # what a callback set before the resume
-        self.resumed = {
-            "epoch": saved["epoch"],
-            "step": saved["step"],
-            "optimizer_iterations": step,
-        }
-        if saved.get("global_batch") not in (None, global_batch):
-            self.log.warning(
-                "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d: "
-                "resuming at epoch %d step %d (the same samples seen; the LR schedule follows "
-                "the step). The global batch changed: the results will differ.",
-                saved.get("size"),
-                saved["global_batch"] // (saved.get("size") or 1),
-                place.size,
-                self.cfg.batch_size,
-                step // steps + 1,
-                step % steps,
-            )
-        if step >= self.cfg.epochs * steps:  # nothing left to train: no epoch to resume at
-            self.log.info(
-                "the checkpoint in %s is after epoch %d: all %d epoch(s) trained",
-                manager.directory,
-                step // steps,
-                self.cfg.epochs,
-            )
-            return step
-        self.log.info(
-            "resuming at epoch %d, step %d of %d (global step %d) from %s",
-            step // steps + 1,
-            step % steps,
-            steps,
-            step,
-            manager.directory,
-        )
-        return step
 
     # -- train -------------------------------------------------------------------------
     def callbacks(self, extra=(), state_callbacks=(), commit=None):
@@ -471,18 +360,18 @@ class Run:
             ),
             # Every rank stops together on NaN, infinite or blown-up weights or loss, before
             # any checkpoint.
-            cb.DivergenceCallback(steps, self.lr_base(), plan.start_step),
+            cb.DivergenceCallback(steps, b.lr_base(), plan.start_step),
             # Every rank holds the same weights (first steps, epoch ends), or the run stops.
-            agreement.WeightsAgreeCallback(first_steps=b.exchange is None),
+            agreement.WeightsAgreeCallback(first_steps=b.exchange.agrees_every_step),
             self.throughput,
             # The user's callbacks (writers on rank 0), then their stop and LR on every rank.
             self.user,
             self.steering,
             *state_callbacks,
         ]
-        if b.exchange is not None:  # first: everything after sees the exchanged weights
-            check = lambda when: agreement.check_weights_agree(b.model, when)  # noqa: E731
-            out.insert(1, exchange.ExchangeCallback(b.exchange, steps, plan.start_step, check))
+        # First: everything after sees the exchanged weights.
+        check = lambda when: agreement.check_weights_agree(b.model, when)  # noqa: E731
+        out[1:1] = b.exchange.callbacks(steps, plan.start_step, check)
         if cfg.deterministic:
             out.insert(0, cb.DeterministicRandomness(cfg.seed, p.rank, plan.start_step))
         if p.rank == 0:
@@ -511,7 +400,7 @@ class Run:
                 cfg.checkpoint_every,
                 plan.start_step,
                 history=self.history,
-                extra=self._checkpoint_extra,
+                extra=lambda: resume.steering(b.optimizers.schedules, b.model, cfg.epochs),
                 check=self._before_checkpoint,
             )
             out.append(self.checkpointer)
@@ -526,26 +415,7 @@ class Run:
         steps, start, model = plan.steps, plan.start_step, b.model
         watchdog.holding("starting Keras's fit (the callbacks, the data, on_train_begin)")
         callbacks = self.callbacks(**callback_args)
-        where = ""
-        if cfg.elastic:  # where this (re)start begins
-            where = f" from epoch {start // steps + 1}, step {start % steps} (global step {start})"
-        self.log.info(
-            "%straining on %d rank(s)%s: %d steps/epoch, batch %d/rank (%d global%s), lr %s -> "
-            "%s over %d steps, %d step(s) per execution%s%s",
-            "elastic: " if cfg.elastic else "",
-            plan.place.size,
-            where,
-            steps,
-            plan.batch_size,
-            plan.global_batch,
-            f", {cfg.accumulate} accumulated" if cfg.accumulate > 1 else "",
-            f"{self.lr_base():g}" if isinstance(self.lr_base(), float) else self.lr_base(),
-            f"{self.lr_scaled():g}" if self.lr_scaled() else f"x{plan.place.size}",
-            plan.warmup_steps,
-            min(b.steps_per_execution, steps),
-            f", {b.policy}" if b.policy else "",
-            f"; {b.exchange.describe()}" if b.exchange else "",
-        )
+        self.log.info("%s", summary.first_line(self))
 
         # Keras 3 runs whole executions (31 steps at 16 per execution ran 32): there, each
         # `fit` trains one epoch over a dataset of exactly its steps, which ends the last
@@ -612,8 +482,7 @@ class Run:
     def _before_checkpoint(self):
         """Every rank, before a mid-epoch checkpoint: an exchange if one is due (`--sync
         local/diloco`), then the check that the ranks agree."""
-        if self.built.exchange is not None:
-            self.built.exchange.now(whole=True)
+        self.built.exchange.before_checkpoint()
         agreement.check_weights_agree(self.built.model, "before a mid-epoch checkpoint")
 
     def _end_user_callbacks(self):
@@ -626,30 +495,6 @@ class Run:
         self.user.end(self.history)
         if before is not None and runtime.weights_digest(model) != before:
             self.checkpointer.rewrite_last()
-
-    def _checkpoint_extra(self):
-        """What a checkpoint records of the callbacks' steering: a stop (at this epoch's
-        end), and the single-worker rates they set."""
-        changed = {
-            name: float(s.rate.numpy())
-            for name, s in self.built.optimizers.schedules.items()
-            if s.rate is not None and s.rate.numpy() != np.float32(s.base_lr)
-        }
-        out = {"single_worker_lr": changed} if changed else {}
-        if getattr(self.built.model, "stop_training", False):
-            out["stopped"] = self.cfg.epochs  # of a run that asked for this many
-        return out
-
-    def lr_base(self):
-        """The single-worker learning rate (a number), or its schedule's name."""
-        base = self.built.schedule.base_lr
-        return base if isinstance(base, float) else type(base).__name__
-
-    def lr_scaled(self):
-        """The learning rate x ranks after the warmup (a number; None for a schedule)."""
-        schedule = self.built.schedule
-        base = schedule.base_lr
-        return rates.scaled_lr(base, schedule.size) if isinstance(base, float) else None
 
     # -- evaluate and finish -------------------------------------------------------------
     def evaluate(self):
@@ -670,61 +515,9 @@ class Run:
             )
         return ranks
 
-    def summary(self):
-        """The run's figures so far (what the metrics JSON holds before the test results)."""
-        cfg, b, plan = self.cfg, self.built, self.plan
-        rates = self.throughput
-        steps = plan.steps or 1
-        reported = b.reported
-        return {
-            "prog": self.prog,
-            "status": "running",
-            "size": plan.place.size,
-            "keras": b.keras.NAME,
-            "epochs": cfg.epochs,
-            "initial_epoch": (self.resumed or {}).get("optimizer_iterations", 0) // steps,
-            "resumed_from": self.resumed,
-            "steps_per_epoch": plan.steps,
-            "steps_per_execution": min(b.steps_per_execution, steps),
-            "batch_size": plan.batch_size,
-            "global_batch_size": plan.global_batch,
-            "samples_per_epoch": plan.steps * plan.global_batch,
-            "deterministic": cfg.deterministic,
-            "accumulate": cfg.accumulate,
-            "mixed_precision": b.policy,
-            "fp16_allreduce": cfg.fp16_allreduce,
-            "sync": b.exchange.summary() if b.exchange else {"mode": "step"},
-            "lr_base": self.lr_base(),
-            "lr_scaled": self.lr_scaled(),
-            "lr_final": float(b.schedule(reported.iterations)),
-            "warmup_steps": plan.warmup_steps,
-            "optimizer_iterations": int(reported.iterations),
-            "optimizers": {
-                name: {
-                    "class": b.optimizers.classes[name],
-                    "iterations": int(opt.iterations),
-                    "lr_single_worker": float(
-                        b.optimizers.schedules[name].single_worker(opt.iterations)
-                    ),
-                    "lr_final": float(b.optimizers.schedules[name](opt.iterations)),
-                    "loss_scale": b.keras.current_loss_scale(opt),
-                }
-                for name, opt in b.optimizers.by_name.items()
-            },
-            "stopped_early": None if self.stopped is None else self.stopped + 1,
-            "data_source": plan.data.source,
-            "train_samples": plan.data.num_samples,
-            "train_samples_per_sec": rates.samples_per_sec if rates else None,
-            "epoch_samples_per_sec": rates.epoch_samples_per_sec if rates else [],
-            "wall_seconds": time.perf_counter() - self.wall,
-            "history": self.history,
-        }
-
     def write_metrics(self, out):
         """Rank 0 writes `out` to --metrics-json (if given); returns the path or None."""
-        if self.plan.place.rank == 0 and self.cfg.metrics_json:
-            return files.write_json(self.cfg.metrics_json, out)
-        return None
+        return summary.write(self.cfg.metrics_json, out, self.plan.place.rank)
 
     def finish(self, result, ranks=None, **more):
         """The metrics dict; rank 0 exports the model and writes the metrics JSON.
@@ -732,16 +525,7 @@ class Run:
         A write that fails here loses nothing already written: the export and the JSON are
         tried both, and `OutputsNotWritten` (exit status 4) says which were written."""
         p, b = self.plan.place, self.built
-        out = {
-            **self.summary(),
-            "status": "finished",
-            "test": result,
-            "test_samples": result.get("samples", 0),
-            "test_loss": result.get("loss"),
-            "test_accuracy": result.get("accuracy"),
-            "ranks": ranks or self.check(),
-            **more,
-        }
+        out = summary.finished(self, result, ranks or self.check(), **more)
         if p.rank != 0:
             return out
         watchdog.holding("writing the exported model and the metrics JSON")
@@ -767,97 +551,11 @@ class Run:
                 "run the same command again: it resumes and writes them without training.",
                 every_rank=False,
             )
-        shown = ", ".join(
-            f"{k} {v:.4f}" for k, v in result.items() if k != "samples" and isinstance(v, float)
-        )
-        rate = out["train_samples_per_sec"]
-        samples = f" on {result['samples']} samples" if result.get("samples") else ""
-        self.log.info(
-            "%s; %s samples/s; %.1f s",
-            f"test: {shown}{samples}" if shown else "done (no test set)",
-            f"{rate:.0f}" if rate else "n/a",
-            out["wall_seconds"],
-        )
+        self.log.info("%s", summary.last_line(out))
         return out
 
 
 # -- helpers ---------------------------------------------------------------------------
-def _policy(choice):
-    import tensorflow as tf
-
-    if not choice:
-        return None
-    if choice == "auto":
-        choice = "float16" if tf.config.list_physical_devices("GPU") else "bfloat16"
-    return f"mixed_{choice}"
-
-
-def _plain(model, frontend):
-    """A functional or Sequential model trained by Keras's own `train_step` and `compile`."""
-    base = frontend.keras.Model
-    own = type(model).compile is not base.compile or prepare.trains_itself(model, frontend)
-    return not own and bool(getattr(model, "outputs", None))
-
-
-def _float32_outputs(model, frontend):
-    """`model` (plain, compiled) with float32 outputs, compiled as it was."""
-    config, opt = frontend.compiled(model)
-    if not config or opt is None or all(o.dtype == "float32" for o in model.outputs):
-        return model
-    wrapped = frontend.float32_outputs(model)
-    wrapped.compile(
-        optimizer=model.optimizer,  # as compiled (under float16, the loss-scale one Keras made)
-        loss=config.get("loss"),
-        metrics=config.get("metrics"),
-        loss_weights=config.get("loss_weights"),
-        weighted_metrics=config.get("weighted_metrics"),
-        run_eagerly=bool(config.get("run_eagerly")),
-    )
-    return wrapped
-
-
-def _as_data(source, limit=None):
-    # A function that returns the data, called here; a generator function is the data, and
-    # so is a function that returns a generator (called again each epoch).
-    if callable(source) and not isinstance(source, datamod.Data):
-        if not batchmod.is_batches(source):
-            made = source()
-            if inspect.isgenerator(made):
-                made.close()
-                made = batchmod.BatchData(source)
-            source = made
-    d = _data_of(source)
-    if limit:
-        if not isinstance(d, datamod.ArrayData):
-            raise invalid_value("--limit-samples", limit, "no value: it limits in-memory arrays")
-        d = d.limit(limit)
-    return d
-
-
-def _data_of(data):
-    """A `Data` from a `Data`, (x, y) or ((x, y), (x_test, y_test)) arrays, or batches made in
-    Python (a `PyDataset`, a `Sequence`, a generator or generator function: `BatchData`),
-    alone or as (train, test)."""
-    if isinstance(data, datamod.Data):
-        return data
-    if batchmod.is_batches(data):
-        return batchmod.BatchData(data)
-    if isinstance(data, tuple | list) and len(data) == 2:
-        if batchmod.is_batches(data[0]) and (data[1] is None or batchmod.is_batches(data[1])):
-            return batchmod.BatchData(*data)
-        if all(isinstance(part, tuple | list) and len(part) == 2 for part in data):
-            (x, y), test = data
-            return datamod.ArrayData(x, y, test=test)
-        return datamod.ArrayData(*data)
-    raise invalid_value(
-        "data",
-        type(data).__name__,
-        "a hvdtrain.Data (ArrayData, DatasetData, FileData, BatchData), (x, y), "
-        "((x, y), (x_test, y_test)), or a keras.utils.PyDataset, a Keras Sequence or a "
-        "generator (alone or as (train, test))",
-    )
-
-
 def _reason(error):
     """An OSError's reason (`No space left on device`), else the error's first line."""
     return getattr(error, "strerror", None) or (str(error).splitlines() or [repr(error)])[0]

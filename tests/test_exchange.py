@@ -58,6 +58,60 @@ def test_bad_combinations_are_one_line(options, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("mode, cls", [("step", "Exchange"), ("local", "LocalSGD"),
+                                       ("diloco", "DiLoCo")])  # fmt: skip
+def test_one_strategy_per_mode_built_from_the_config(mode, cls):
+    from hvdtrain import exchange
+
+    options = {"sync_every": 8} if mode != "step" else {}
+    strategy = exchange.for_config(make_config(sync=mode, **options))
+    assert type(strategy).__name__ == cls and strategy.mode == mode
+    assert strategy.exchanges_rarely == (mode != "step")
+    assert strategy.steps_per_execution(16) == (16 if mode == "step" else 8)
+
+
+def test_the_synchronous_strategy_does_nothing_between_steps():
+    from hvdtrain import exchange
+
+    step = exchange.for_config(make_config())
+    step.attach(model=None, optimizers=[])
+    step.begin(start_step=5, lr_warmup_steps=10)
+    step.before_checkpoint()
+    step.check_policy("mixed_float16")
+    assert step.holders() == {} and step.callbacks(10, 0, check=None) == []
+    assert step.in_agreement() and step.agrees_every_step and step.describe() == ""
+    assert step.summary() == {"mode": "step"}
+
+
+def test_h_is_resolved_once_with_its_default():
+    assert make_config(sync="local").exchange_every == 16
+    assert make_config(sync="diloco", sync_every=4).exchange_every == 4
+
+
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_an_optimizers_own_state_leaves_out_its_step_and_learning_rate(keras):
+    """What the exchange averages of an optimizer at whole exchanges: Adam's two moments per
+    weight, not its step counter, its learning-rate variable or a warmup's single-worker
+    rate, found by what they are (a float learning rate, and a `WarmupSchedule`)."""
+    import tensorflow as tf
+
+    from hvdtrain import optim, rates
+
+    if keras == "3":
+        import keras as k
+
+        weights = [k.Variable(np.ones((3, 2), "float32")), k.Variable(np.zeros(2, "float32"))]
+    else:
+        k = tf.keras
+        weights = [tf.Variable(np.ones((3, 2), "float32")), tf.Variable(np.zeros(2, "float32"))]
+    for lr in (0.01, rates.WarmupSchedule(0.01, size=2, warmup_steps=4)):
+        opt = k.optimizers.Adam(lr)
+        opt.build(weights)
+        slots = optim.slot_variables(opt)
+        assert sorted(tuple(v.shape) for v in slots) == [(2,), (2,), (3, 2), (3, 2)]
+        assert all(v.dtype.is_floating for v in slots)
+
+
 def test_the_gate_averages_in_the_warmup_only_and_keeps_none_gradients():
     import tensorflow as tf
 
@@ -108,7 +162,8 @@ def test_local_sgd_at_h1_with_plain_sgd_is_the_synchronous_mode(shared_jobs, tmp
     assert m_step["sync"] == {"mode": "step"}
     assert m["sync"]["exchanges"] == 20 and m["sync"]["warmup_steps"] == 0
     assert _largest_difference(step, local) < 1e-5
-    assert m["ranks"][0]["weights_digest"] != m_step["ranks"][0]["weights_digest"]  # not bitwise
+    # (Not asserted: that the two differ bitwise. The mean of the weights and the step of the
+    # mean gradient round alike or not by chance; the 20 exchanges show the local path ran.)
 
 
 @pytest.mark.parametrize("keras", ["2", "3"])

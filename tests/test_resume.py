@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-from conftest import kill_job, launch_argv, run_job, run_until, start_job
+from conftest import kill_job, launch_argv, run_job, run_until, start_job, worker
 
-from hvdtrain.trainer import resume_step
+from hvdtrain.resume import resume_step
 
 BASE = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "2", "--limit-samples", "1024",
         "--checkpoint-every", "4"]  # fmt: skip
@@ -189,3 +189,14 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
         assert CheckpointManager(disk, small, opt).latest().epoch == 1
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_changed_global_batch_names_the_data_own_batch(tmp_path):
+    """Data that brings its own batch (a Sequence of 32) resumed on another number of ranks:
+    the warning names the batch the run trains with, not --batch-size (which it ignores)."""
+    args = [worker("python_data.py"), str(tmp_path / "out"), "--checkpoint-dir",
+            str(tmp_path / "ck"), "--batch-size", "64"]  # fmt: skip
+    run_job(2, "gloo", [*args, "--epochs", "1"])
+    proc = run_job(1, "none", [*args, "--epochs", "2"])
+    assert "The global batch changed" in proc.stderr
+    assert "written with 2 rank(s) x batch 32; this run has 1 x 32" in proc.stderr

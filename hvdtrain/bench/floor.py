@@ -191,7 +191,7 @@ def _worker(exchange, model_name, batch, calls):
 
         import hvdtrain
 
-        hvdtrain.init(threads=1, sync="local" if local else "step")
+        hvdtrain.init(threads=1, exchanges_rarely=bool(local))
         rank, size = hvd.rank(), hvd.size()
         import tensorflow as tf
     else:
@@ -267,14 +267,12 @@ def _worker(exchange, model_name, batch, calls):
     if exchange == "horovod" or local:
         hvd.broadcast_variables(variables, 0)
     if local:
-        from types import SimpleNamespace
-
-        from hvdtrain.exchange import Exchange
+        from hvdtrain.exchange import for_config
+        from hvdtrain.flags import make_config
 
         opt.build(variables)
-        cfg = SimpleNamespace(sync="local", sync_every=local, sync_warmup_steps=0, outer_lr=None,
-                              outer_momentum=None, fp16_allreduce=False)  # fmt: skip
-        exchanges = Exchange(cfg, model, [opt])
+        exchanges = for_config(make_config(sync="local", sync_every=local, sync_warmup_steps=0))
+        exchanges.attach(model, [opt])
         exchanges.begin(0, 0)
     done = 0
 
