@@ -34,6 +34,9 @@ mode is a new subclass. Under the two that exchange less:
   checkpoint, all of them exchanges; an elastic run commits at exchanges only.
 """
 
+import threading
+import time
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -45,6 +48,8 @@ __all__ = [
     "Exchange",
     "LocalSGD",
     "DiLoCo",
+    "OverlappedLocalSGD",
+    "OverlappedDiLoCo",
     "ExchangeCallback",
     "for_config",
     "exchange_due",
@@ -64,9 +69,9 @@ def fitting_steps_per_execution(default, every):
 
 
 def for_config(cfg):
-    """The exchange strategy of `cfg.sync` (a `TrainConfig`): the one place a mode's name
-    picks its class."""
-    return STRATEGIES[cfg.sync](cfg)
+    """The exchange strategy of `cfg.sync` and `cfg.sync_overlap` (a `TrainConfig`): the one
+    place a mode's name picks its class."""
+    return STRATEGIES[cfg.sync, bool(cfg.sync_overlap)](cfg)
 
 
 class Exchange:
@@ -123,6 +128,10 @@ class Exchange:
         """Its part of the run's first line ("" for none)."""
         return ""
 
+    def rank_figures(self):
+        """This rank's own figures, for the metrics JSON's `ranks` (gathered from each)."""
+        return {}
+
     def summary(self):
         """The metrics JSON's `sync` section."""
         return {"mode": self.mode}
@@ -152,6 +161,7 @@ class LocalSGD(Exchange):
         # The global step now, where the ranks' models last agreed, and their optimizers.
         self.step = self.agreed = self.agreed_whole = 0
         self.exchanges = self.bytes = 0  # this process's, since the run began
+        self.waited = 0.0  # seconds the steps waited for exchanges, since the run began
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self._exchange_fn = self._state_fn = None
 
@@ -218,6 +228,7 @@ class LocalSGD(Exchange):
         averaging = whole and self.opt_state and self.agreed_whole != self.step
         if exchanged or averaging:
             watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+        began = time.perf_counter()
         if exchanged:
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost
                 self._exchange_fn = tf.function(self._exchange, autograph=False)  # more
@@ -232,6 +243,7 @@ class LocalSGD(Exchange):
             self.bytes += _bytes(self.opt_state)
         if whole:
             self.agreed_whole = self.step
+        self.waited += time.perf_counter() - began
         return exchanged
 
     def _exchange(self):
@@ -246,6 +258,11 @@ class LocalSGD(Exchange):
         anchor - mean(anchor - weights)."""
         for a, d in zip(self.anchor, mean, strict=True):
             a.assign_sub(d)
+
+    def stand_in(self, own):
+        """Where the anchor would move if this rank's change `own` were the ranks' mean (the
+        overlap's eager update: `OverlappedLocalSGD`)."""
+        return [a - d for a, d in zip(self.anchor, own, strict=True)]
 
     def _average_state(self):
         _average_as_they_are(self.opt_state, "hvdtrain.exchange.optimizers")
@@ -267,10 +284,15 @@ class LocalSGD(Exchange):
             "outer_lr": None,
             "outer_momentum": None,
             "fp16": self.compression is hvd.Compression.fp16,
+            "overlap": False,
             "exchanges": self.exchanges,
             "bytes_per_exchange": self.per_exchange,
             "bytes_sent": self.bytes,
+            "waited_seconds": round(self.waited, 4),
         }
+
+    def rank_figures(self):
+        return {"exchange_waited_seconds": round(self.waited, 4)}
 
 
 class OuterState(tf.Module):
@@ -317,6 +339,14 @@ class DiLoCo(LocalSGD):
             m.assign(mu * m + d)
             a.assign_sub(lr * (d + mu * m))
 
+    def stand_in(self, own):
+        """The outer step on `own` as if it were the ranks' mean, its momentum left as is."""
+        mu, lr = self.momentum, self.outer_lr
+        return [
+            a - lr * (d + mu * (mu * m + d))
+            for a, m, d in zip(self.anchor, self.outer.momentum, own, strict=True)
+        ]
+
     def describe(self):
         return f"{super().describe()}, outer lr {self.outer_lr:g} momentum {self.momentum:g}"
 
@@ -324,7 +354,187 @@ class DiLoCo(LocalSGD):
         return {**super().summary(), "outer_lr": self.outer_lr, "outer_momentum": self.momentum}
 
 
-STRATEGIES = {cls.mode: cls for cls in (Exchange, LocalSGD, DiLoCo)}
+class _Overlapped:
+    """`--sync-overlap`, over `LocalSGD` or `DiLoCo`: the exchange of a round runs while the
+    next round's steps do (one exchange in flight per rank), and its mean lands at the next
+    exchange point, with the delay corrected as in "eager updates" (Kale et al., 2025).
+
+    Round r starts from `start` and ends at the weights w; this rank's change is
+    `own = start - w`. At its end: the previous round's mean (in flight since) lands and
+    moves the anchor (`move_anchor`: the same on every rank), round r's `own` goes to the
+    ranks' mean in a thread of its own (TensorFlow releases the GIL while Horovod's op
+    runs), and the next round starts from `stand_in(own)`: the anchor moved as if this
+    rank's own fresh change were the mean. Every rank thus holds the agreed anchor plus its
+    own progress since; when the mean of round r lands, it replaces the rank's own change.
+    At whole exchanges (epoch ends, checkpoints, the end) the exchange in flight lands, the
+    round's change is averaged at once, and every rank holds the anchor, its BatchNorm
+    statistics and its optimizers' state averaged: one model, as without the overlap.
+    """
+
+    overlapped = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.start = []  # where this round's steps began (by `attach`)
+        self.round_start = 0  # the global step at which this round began
+        self.pending = None  # the exchange in flight (`_InFlight`), or None
+        self.exchange_seconds = 0.0  # the exchanges' own time in their thread
+        self.waited_pending = 0.0  # the part of it the steps waited for
+        self._rounds = 0
+        self._reduce_fn = None
+
+    def attach(self, model, optimizers):
+        super().attach(model, optimizers)
+        self.start = [tf.Variable(v, trainable=False) for v in self.weights]
+        self.per_exchange = _bytes(self.weights, self.compression)  # statistics: whole only
+
+    def begin(self, start_step, lr_warmup_steps):
+        super().begin(start_step, lr_warmup_steps)
+        self.pending = None  # (an elastic reset: the old job's exchange is gone with it)
+        self._new_round(self.weights)
+
+    def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
+        syncing = self.syncing
+        exchanged = super().after_steps(global_step, step_in_epoch, steps_per_epoch)
+        if syncing and not self.syncing:  # the warmup's end: the rounds begin here
+            self._new_round(self.weights)
+        return exchanged
+
+    def _new_round(self, weights):
+        """The anchor and the round's start set to `weights` (the ranks agree on them)."""
+        for a, s, w in zip(self.anchor, self.start, weights, strict=True):
+            a.assign(w)
+            s.assign(w)
+        self.round_start = self.step
+
+    def _continue_from(self, values):
+        for s, w, v in zip(self.start, self.weights, values, strict=True):
+            s.assign(v)
+            w.assign(v)
+        self.round_start = self.step
+
+    def in_agreement(self):
+        return self.pending is None and super().in_agreement()
+
+    def now(self, whole=False):
+        """At an exchange point (every rank, the same `whole`): a round's exchange started in
+        the background, or with `whole` everything landed and averaged. Returns True when
+        the ranks hold one model after it."""
+        if not whole:
+            if self.step == self.round_start or self.agreed == self.step:
+                return False
+            began = time.perf_counter()
+            own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
+            self._land()
+            self.pending = _InFlight(self._mean, own)
+            self._continue_from(self.stand_in(own))
+            self.exchanges += 1
+            self.bytes += self.per_exchange
+            self.waited += time.perf_counter() - began
+            return False
+        if self.pending is None and self.agreed == self.step:  # the warmup, or done here
+            if self.agreed_whole == self.step:
+                return False
+            self._new_round(self.weights)
+            return super().now(whole=True)  # the optimizers' state
+        watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+        began = time.perf_counter()
+        self._land()
+        if self.step > self.round_start:  # this round's change, at once
+            own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
+            self.move_anchor(self._mean(own))
+            self.exchanges += 1
+            self.bytes += self.per_exchange
+        self._continue_from(self.anchor)
+        _average_as_they_are(self.state, "hvdtrain.exchange.state")
+        self.bytes += _bytes(self.state)
+        self.waited += time.perf_counter() - began
+        self.agreed = self.step
+        super().now(whole=True)  # the optimizers' state
+        return True
+
+    def _land(self):
+        """The exchange in flight, landed: the anchor moved by its mean."""
+        if self.pending is None:
+            return
+        watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+        began = time.perf_counter()
+        mean, seconds = self.pending.result()
+        self.waited_pending += time.perf_counter() - began
+        self.exchange_seconds += seconds
+        self.pending = None
+        self.move_anchor(mean)
+
+    def _mean(self, own):
+        """The ranks' mean of `own` (one traced call; any thread)."""
+        if self._reduce_fn is None:
+            self._reduce_fn = tf.function(
+                lambda own: optim.packed(own, "hvdtrain.exchange.overlap", self._average),
+                autograph=False,
+            )
+        return self._reduce_fn(own)
+
+    def describe(self):
+        return f"{super().describe()}, overlapped"
+
+    def summary(self):
+        return {**super().summary(), "overlap": True, **self._hidden()}
+
+    def rank_figures(self):
+        return {**super().rank_figures(), **self._hidden()}
+
+    def _hidden(self):
+        spent = self.exchange_seconds
+        hidden = 1 - min(self.waited_pending, spent) / spent if spent else None
+        return {
+            "exchange_seconds": round(spent, 4),
+            "exchange_hidden": None if hidden is None else round(hidden, 4),
+        }
+
+
+class OverlappedLocalSGD(_Overlapped, LocalSGD):
+    """`--sync local --sync-overlap`."""
+
+
+class OverlappedDiLoCo(_Overlapped, DiLoCo):
+    """`--sync diloco --sync-overlap`."""
+
+
+class _InFlight:
+    """`fn(own)` in a daemon thread of its own (one that hangs in a collective cannot hold up
+    the process's exit, as a thread pool's would): `result()` waits for it and gives
+    (its value, its seconds), or raises what it raised."""
+
+    def __init__(self, fn, own):
+        self._out = self._error = None
+        self._seconds = 0.0
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, own), name="hvdtrain-exchange", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn, own):
+        began = time.perf_counter()
+        try:
+            self._out = fn(own)
+        except BaseException as e:  # raised where the result is asked for
+            self._error = e
+        self._seconds = time.perf_counter() - began
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out, self._seconds
+
+
+STRATEGIES = {
+    ("step", False): Exchange,
+    ("local", False): LocalSGD,
+    ("diloco", False): DiLoCo,
+    ("local", True): OverlappedLocalSGD,
+    ("diloco", True): OverlappedDiLoCo,
+}
 
 
 def _average_as_they_are(variables, name):

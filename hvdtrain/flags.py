@@ -70,6 +70,8 @@ class TrainConfig:
         outer_lr: DiLoCo's outer learning rate (default 0.7, the paper's for hundreds of
             inner steps; 0.3 measured better for H up to 64).
         outer_momentum: DiLoCo's outer Nesterov momentum (default 0.9).
+        sync_overlap: under "local" or "diloco", run each exchange while the next local
+            steps do, its mean applied at the next exchange (default: off).
     """
 
     epochs: int = 1
@@ -100,6 +102,7 @@ class TrainConfig:
     sync_warmup_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    sync_overlap: bool | None = None
 
     def __post_init__(self):
         for name in (
@@ -177,7 +180,9 @@ def _check_sync(c):
         _number(c.outer_momentum) and 0 <= c.outer_momentum < 1
     ):
         raise invalid_value("--outer-momentum", c.outer_momentum, "a number from 0 to below 1")
-    local = ("sync_every", "sync_warmup_steps")
+    if c.sync_overlap is not None and not isinstance(c.sync_overlap, bool):
+        raise invalid_value("--sync-overlap", c.sync_overlap, "True, False or no value")
+    local = ("sync_every", "sync_warmup_steps", "sync_overlap")
     for name in (*local, *OUTER) if c.sync == "step" else OUTER if c.sync == "local" else ():
         if getattr(c, name) is not None:
             needs = "--sync local or --sync diloco" if name in local else "--sync diloco"
@@ -401,4 +406,10 @@ def _add_training_flags(p, d):
         "outer_momentum",
         f"DiLoCo's outer Nesterov momentum (default {OUTER['outer_momentum']:g})",
         type=float,
+    )
+    x.add_argument(
+        "--sync-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=d.sync_overlap,
+        help="run each exchange while the next local steps do (local, diloco; default: off)",
     )

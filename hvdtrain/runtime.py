@@ -350,15 +350,16 @@ def weights_digest(model):
     return h.hexdigest()
 
 
-def rank_report(model=None):
+def rank_report(model=None, **figures):
     """One entry per rank (rank, local rank, host, pid, the GPU `init` pinned or None,
-    weights digest), gathered on all ranks."""
+    weights digest, and this rank's own `figures`), gathered on all ranks."""
     mine = {
         "rank": hvd.rank(),
         "local_rank": hvd.local_rank(),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "gpu": _pinned,
+        **figures,
     }
     if model is not None:
         mine["weights_digest"] = weights_digest(model)

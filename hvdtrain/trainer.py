@@ -508,7 +508,7 @@ class Run:
         """Every rank's host, pid and weights digest; identical weights or an error."""
         watchdog.holding("comparing the weights of every rank", waiting=True)
         agreement.check_weights_agree(self.built.model, "at the end of training")
-        ranks = runtime.rank_report(self.built.model)
+        ranks = runtime.rank_report(self.built.model, **self.built.exchange.rank_figures())
         if len({r["weights_digest"] for r in ranks}) != 1:
             raise HvdtrainError(
                 "ranks ended with different weights; this is a bug, please report it"

@@ -234,3 +234,100 @@ def test_data_from_files_and_from_python_under_exchanging_less(
     assert len({r["weights_digest"] for r in out["ranks"]}) == 1, out["ranks"]
     assert out["sync"]["mode"] == sync and out["sync"]["exchanges"] > 0
     assert all(len(values) == 2 for values in out["history"].values()), out["history"]
+
+
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_an_overlapped_run_holds_one_model_at_whole_exchanges(keras, shared_jobs, tmp_path):
+    """Through `hvdtrain.fit`, Adam, BatchNorm, H=4: the ranks differ after every step (an
+    epoch's last one too: its whole exchange follows at the epoch's end) and end with every
+    variable the same; the metrics JSON says what each rank waited and what was hidden."""
+    (w0, w1), m = _run(shared_jobs, tmp_path, "--sync", "local", "--sync-every", "4",
+                       "--sync-warmup-steps", "0", "--sync-overlap", keras=keras)  # fmt: skip
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert len(trace) == 20 and not any(trace)
+    assert _largest_difference(w0, w1) == 0
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    sync = m["sync"]
+    assert sync["overlap"] and sync["exchanges"] == 6 and sync["mode"] == "local"
+    for r in m["ranks"]:
+        assert r["exchange_waited_seconds"] >= 0 and 0 <= r["exchange_hidden"] <= 1
+
+
+OVERLAP = worker("overlap_checks.py")
+TARGETS = np.array([[1.0, -2.0, 0.5], [-3.0, 4.0, 2.0]], "float32")  # as the worker's
+
+
+def _reference(overlap, every, steps, outer_lr=None, momentum=0.0):
+    """tests/workers/overlap_checks.py's run in numpy: each rank's weights after every step,
+    and after the whole exchange at the end. `outer_lr` None: local SGD; else DiLoCo."""
+    lr = np.float32(0.1)
+    w = [np.ones(3, "float32") for _ in TARGETS]
+    anchor, m = np.ones(3, "float32"), np.zeros(3, "float32")
+    start, pending, round_start, trace = [x.copy() for x in w], None, 0, []
+
+    def move(mean):
+        nonlocal anchor, m
+        if outer_lr is None:
+            anchor = anchor - mean
+        else:
+            m = momentum * m + mean
+            anchor = anchor - outer_lr * (mean + momentum * m)
+
+    def stand_in(own):  # the outer step on a rank's own change, its momentum left as is
+        if outer_lr is None:
+            return anchor - own
+        return anchor - outer_lr * (own + momentum * (momentum * m + own))
+
+    for step in range(1, steps + 1):
+        w = [x - lr * (x - t) for x, t in zip(w, TARGETS, strict=True)]
+        if step % every == 0 or step >= steps:
+            if overlap:
+                own = [s - x for s, x in zip(start, w, strict=True)]
+                if pending is not None:
+                    move(np.mean(pending, axis=0))
+                pending = own
+                start = [stand_in(o) for o in own]
+                w = [x.copy() for x in start]
+            else:
+                move(np.mean([anchor - x for x in w], axis=0))
+                w = [anchor.copy() for _ in w]
+            round_start = step
+        trace.append([x.copy() for x in w])
+    if overlap:
+        if pending is not None:
+            move(np.mean(pending, axis=0))
+        if steps > round_start:
+            move(np.mean([s - x for s, x in zip(start, w, strict=True)], axis=0))
+        w = [anchor.copy() for _ in w]
+    return trace, w
+
+
+@pytest.mark.parametrize(
+    "flags, outer",
+    [
+        (["--sync", "local", "--sync-overlap"], None),
+        (["--sync", "diloco", "--sync-overlap", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
+         (0.7, 0.9)),
+        (["--sync", "local"], None),  # the reference of the blocking exchange, too
+    ],
+)  # fmt: skip
+def test_the_overlapped_exchange_is_the_eager_update_formula(flags, outer, shared_jobs, tmp_path):
+    """Plain SGD on each rank's own quadratic, H=3 over 10 steps: the weights after every
+    step on both ranks, and after the end, equal the numpy replay of the formula (the mean
+    of a round lands at the next exchange; each rank continues from the anchor moved by its
+    own change meanwhile)."""
+    shared_jobs.get(2, "gloo").run_script(
+        [OVERLAP, "--out", tmp_path, "--sync-every", "3", "--steps", "10", *flags]
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    overlap = "--sync-overlap" in flags
+    lr, momentum = outer or (None, 0.0)
+    trace, end = _reference(overlap, 3, 10, lr, momentum)
+    for r, got in enumerate(ranks):
+        assert np.allclose(got["steps"], [t[r] for t in trace], atol=1e-5)
+        assert np.allclose(got["end"], end[r], atol=1e-5)
+    assert ranks[0]["end"] == ranks[1]["end"]  # one model after the whole exchange
+    if overlap:  # the ranks differ between exchanges, and the stand-in is not the mean
+        assert ranks[0]["steps"][2] != ranks[1]["steps"][2]
+        assert ranks[0]["sync"]["overlap"] and ranks[0]["sync"]["exchanges"] == 4
+        assert 0 <= ranks[0]["sync"]["exchange_hidden"] <= 1

@@ -37,11 +37,13 @@ def files(tmp_path_factory):
 def train(backend, form, files, out, *extra, check=True, jobs=None):
     """form: arrays, tfrecord, batches (a Sequence), keras3 (arrays, the model in Keras 3),
     keras3-tfrecord or keras3-batches (a PyDataset), each with "+local" or "+diloco" for
-    `--sync` (every 4 steps, checkpoints at exchanges); in a shared job of `jobs` where one
-    is given."""
+    `--sync` (every 4 steps, checkpoints at exchanges), ":overlap" after it for
+    `--sync-overlap`; in a shared job of `jobs` where one is given."""
     form, _, sync = form.partition("+")
     if sync:  # checkpoints every 4 steps: step 24 is one, step 25 lies between two exchanges
+        sync, _, overlap = sync.partition(":")
         extra = ("--sync", sync, "--sync-every", "4", "--checkpoint-every", "4", *extra)
+        extra = ("--sync-overlap", *extra) if overlap else extra
     if form.startswith("keras3"):
         form, extra = form.partition("-")[2] or "arrays", ("--keras", "3", *extra)
     args = [RECIPE, "--data", form, "--files", str(files), "--deterministic",
@@ -86,6 +88,8 @@ def uninterrupted(files, tmp_path_factory, shared_jobs):
         ("gloo", "keras3-batches"),
         ("gloo", "arrays+local"),  # killed between two exchanges of weights
         ("mpi", "keras3+diloco"),
+        ("mpi", "batches+local:overlap"),  # an exchange in flight when killed
+        ("gloo", "keras3-batches+diloco:overlap"),
     ],  # fmt: skip
 )
 def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
