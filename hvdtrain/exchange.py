@@ -149,7 +149,10 @@ class Exchange:
         exchanged = not self.in_agreement()
         averaging = whole and self.opt_state and self.agreed_whole != self.step
         if exchanged or averaging:
-            watchdog.waiting(f"exchanging weights with the other ranks ({NAMES[self.mode]})")
+            watchdog.doing(
+                f"exchanging weights with the other ranks ({NAMES[self.mode]})",
+                watchdog.OTHER_RANKS,
+            )
         if exchanged:
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost
                 self._exchange_fn = tf.function(self._exchange, autograph=False)  # more
