@@ -171,6 +171,7 @@ def test_the_stuck_rank_is_the_one_named(where, backend, tmp_path):
         assert re.search(STUCK[where], output), output[-6000:]
     assert "rank 0 made no progress" not in output
     assert "rank 0 on host localhost" not in output
+    assert "[hvdtrain:stall" not in output  # the watchdog's marker: read, not printed
 
 
 @pytest.mark.timeout(200)
