@@ -180,8 +180,7 @@ COPY setup.cfg pyproject.toml README.md /opt/hvdtrain/
 COPY hvdtrain /opt/hvdtrain/hvdtrain
 COPY examples /opt/hvdtrain/examples
 RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index /opt/hvdtrain \
-    && rm -rf /opt/hvdtrain/build /opt/hvdtrain/*.egg-info \
-    && python -c 'from hvdtrain.startup import install_pth; install_pth()'
+    && rm -rf /opt/hvdtrain/build /opt/hvdtrain/*.egg-info
 
 # The finished environment: TensorFlow (the CUDA build on GPU), Keras 2 as tf.keras, Horovod's
 # build (the stub libcuda only for this check, on GPU).

@@ -90,7 +90,7 @@ _EXPORTS = {
     "ProgressCallback": "callbacks",
     "ThroughputCallback": "callbacks",
     "Watchdog": "watchdog",
-    "WatchdogCallback": "watchdog",
+    "WatchdogCallback": "callbacks",
     "rank0_only": "usercallbacks",
     # ranks that drift apart
     "RanksDisagree": "agreement",

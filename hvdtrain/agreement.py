@@ -53,7 +53,7 @@ def check_weights_agree(model, when="now"):
     if hvd.size() == 1:
         return
     mine = weights_checksums(model)
-    watchdog.waiting(f"comparing the ranks' weights {when}")
+    watchdog.doing(f"comparing the ranks' weights {when}", watchdog.OTHER_RANKS)
     gathered = hvd.allgather_object([c for _, c in mine], name="hvdtrain.weights_agree")
     differ = sorted(
         {

@@ -55,7 +55,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import stall
+from hvdtrain import watchdog
 from hvdtrain.data import Data
 from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
 
@@ -629,14 +629,15 @@ class BatchData(Data):
     def _kept(self, gen, src):
         """`gen` with the error it meets kept for `explain` (tf.data hides its type), and
         each batch's wait told to the watchdog: this thread runs `src`'s code (or waits for
-        its loaders) on its own, so a rank stuck there is named for it (`stall.busy`)."""
+        its loaders) on its own, so a rank stuck there is named for it
+        (`watchdog.doing_in_thread`)."""
         doing = f"loading a batch of your data ({src.name}, your code)"
 
         def run():
             try:
                 batches, end = gen(), object()
                 while True:
-                    with stall.busy(doing):
+                    with watchdog.doing_in_thread(doing):
                         batch = next(batches, end)
                     if batch is end:
                         return

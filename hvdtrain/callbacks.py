@@ -10,6 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.errors import TrainingDiverged, invalid_value
+from hvdtrain.stall import stall_shutdown_seconds
+from hvdtrain.watchdog import OTHER_RANKS, OWN_SETUP, OWN_WORK, Watchdog, doing
 
 __all__ = [
     "CheckpointCallback",
@@ -17,6 +19,7 @@ __all__ = [
     "ProgressCallback",
     "ThroughputCallback",
     "ModelStateAverageCallback",
+    "WatchdogCallback",
     "rank0_callbacks",
 ]
 
@@ -82,9 +85,11 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
             # Every rank: BatchNorm statistics averaged first, as at epoch ends, so that a
             # resume from rank 0's checkpoint continues what every rank held (bitwise).
             from hvdtrain.optim import average_model_state
-            from hvdtrain.watchdog import waiting
 
-            waiting("averaging BatchNorm statistics before a checkpoint, with the other ranks")
+            doing(
+                "averaging BatchNorm statistics before a checkpoint, with the other ranks",
+                OTHER_RANKS,
+            )
             average_model_state(self.model)
             if self.check is not None:
                 self.check()
@@ -376,3 +381,86 @@ def rank0_callbacks(log_dir=None, tensorboard=tf.keras.callbacks.TensorBoard):
 
 def _floats(logs):
     return {k: float(v) for k, v in (logs or {}).items()}
+
+
+class WatchdogCallback(tf.keras.callbacks.Callback):
+    """Runs a `hvdtrain.Watchdog` during `fit`, fed by every step and epoch: a rank that
+    makes no progress for the stall time ends with one line saying where it was (see
+    `hvdtrain.watchdog`). A training step waits for the other ranks (its gradient
+    allreduce): twice the time, so that the stuck rank names itself first. The first step
+    traces and compiles the model: ten times the time.
+
+    Args:
+        timeout: seconds without progress; by default the stall shutdown time in effect
+            when training begins (`hvdtrain.init(stall_shutdown_seconds=...)`,
+            HVDTRAIN_STALL_SHUTDOWN_SECONDS, 300 s); 0 there turns the watchdog off.
+        rank: named in the message (default: Horovod's rank).
+        on_timeout: see `hvdtrain.Watchdog`.
+        watchdog: a running `hvdtrain.Watchdog` to feed instead of one of its own
+            (`hvdtrain.fit` starts one at set-up, so the whole run is watched); it is left
+            running when training ends.
+
+    If `fit` raises, the watchdog keeps watching until the process ends, so a hang while
+    exiting is ended too; call `callback.watchdog.stop()` to catch the error and go on.
+    """
+
+    def __init__(self, timeout=None, rank=None, on_timeout=None, watchdog=None):
+        super().__init__()
+        self.rank, self.on_timeout = rank, on_timeout
+        self.watchdog = None if timeout is None else Watchdog(timeout, rank, on_timeout)
+        self._owned = watchdog is None
+        if watchdog is not None:
+            self.watchdog = watchdog
+        self._follow_stall_time = timeout is None and self._owned
+        self._epoch = 0
+        self._armed = False
+
+    def _beat(self, what, waits_for=OWN_WORK):
+        if self.watchdog is not None and self._armed:
+            self.watchdog.beat(what, waits_for)
+
+    def on_train_begin(self, logs=None):
+        self._armed = False  # the first step traces and compiles: a longer limit
+        if self._follow_stall_time:  # read now: hvdtrain.init() has run
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            timeout = stall_shutdown_seconds()
+            self.watchdog = Watchdog(timeout, self.rank, self.on_timeout) if timeout else None
+        if self.watchdog is not None:
+            self.watchdog.start(_FIRST_STEP, OWN_SETUP)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch + 1
+        self._beat(f"epoch {self._epoch} began")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._armed and self.watchdog is not None:  # the collectives before it beat
+            self.watchdog.beat(_FIRST_STEP, OWN_SETUP)
+        self._beat(
+            f"in step {batch + 1} of epoch {self._epoch} (input, forward, backward, "
+            "gradient allreduce with the other ranks)",
+            OTHER_RANKS,
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._armed = True
+        self._beat(
+            f"finished step {batch + 1} of epoch {self._epoch}; then in batch-end callbacks "
+            "or the next step's input"
+        )
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._beat(
+            f"finished epoch {epoch + 1}; then in epoch-end callbacks (metric averaging, "
+            "evaluation, checkpoint)"
+        )
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._beat(f"validation batch {batch + 1} after epoch {self._epoch}")
+
+    def on_train_end(self, logs=None):
+        if self.watchdog is not None and self._owned:
+            self.watchdog.stop()
+
+
+_FIRST_STEP = "the first training step (tracing and compiling)"

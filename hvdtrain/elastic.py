@@ -217,7 +217,10 @@ class CommitStateCallback(hvd_keras.elastic.CommitStateCallback):
         if self.on_commit:
             self.on_commit()
         self._committed = self.state.batch
-        watchdog.waiting("committing the elastic state (asks the other ranks for host changes)")
+        watchdog.doing(
+            "committing the elastic state (asks the other ranks for host changes)",
+            watchdog.OTHER_RANKS,
+        )
         super().commit()
 
 

@@ -227,7 +227,9 @@ class LocalSGD(Exchange):
         exchanged = not self.in_agreement()
         averaging = whole and self.opt_state and self.agreed_whole != self.step
         if exchanged or averaging:
-            watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+            watchdog.doing(
+                f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
+            )
         began = time.perf_counter()
         if exchanged:
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost
@@ -437,7 +439,9 @@ class _Overlapped:
                 return False
             self._new_round(self.weights)
             return super().now(whole=True)  # the optimizers' state
-        watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+        watchdog.doing(
+            f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
+        )
         began = time.perf_counter()
         self._land()
         if self.step > self.round_start:  # this round's change, at once
@@ -457,7 +461,9 @@ class _Overlapped:
         """The exchange in flight, landed: the anchor moved by its mean."""
         if self.pending is None:
             return
-        watchdog.waiting(f"exchanging weights with the other ranks ({self.name})")
+        watchdog.doing(
+            f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
+        )
         began = time.perf_counter()
         mean, seconds = self.pending.result()
         self.waited_pending += time.perf_counter() - began

@@ -24,7 +24,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, stall, tuning
+from hvdtrain import compat, tuning, watchdog
 from hvdtrain.errors import HvdtrainError, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 from hvdtrain.tracebacks import printed_by
@@ -237,7 +237,7 @@ def _name_failures(rank):
             previous(kind, value, tb)
         if plain:  # HvdtrainError: its one line is out already
             return
-        last = stall.last_activity()
+        last = watchdog.last_activity()
         where = f" (last: {last})" if last else ""
         if consequence:
             text = (
@@ -327,7 +327,10 @@ def agree(fn, *, root_only=False):
         except HvdtrainError as e:
             message = str(e)
     if hvd.size() > 1:
-        stall.holding("done with a set-up step, waiting for the other ranks to finish it", True)
+        watchdog.doing(
+            "done with a set-up step, waiting for the other ranks to finish it",
+            watchdog.OTHER_RANKS_SETUP,
+        )
         if root_only:
             message = hvd.broadcast_object(message, root_rank=0, name="hvdtrain.agree")
         else:

@@ -1,11 +1,8 @@
-"""How long a rank may make no progress, and what it is doing: the leaf that `runtime`
+"""How long a rank may make no progress: the leaf of stall settings that `runtime`
 (Horovod's stall shutdown, set by `hvdtrain.init`) and `watchdog` (hvdtrain's own, for what
-Horovod's cannot see) both read, and that set-up steps and collectives between training
-steps tell what they are doing (`holding`, `waiting`), so that a stuck rank names itself.
-Nothing here imports TensorFlow or Horovod.
+Horovod's cannot see) both read. Nothing here imports TensorFlow or Horovod.
 """
 
-import contextlib
 import os
 import re
 
@@ -20,62 +17,6 @@ _STALL_CHECK = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 _STALL_SHUTDOWN = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 _STALL_ENV = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
 FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
-WAITED = "waiting for the other ranks"  # in a watchdog's line: `hvdtrain-run` reads it
-_latest = []  # the watchdog started last in this process
-
-
-def follow(watchdog):
-    """Makes `watchdog` the one `last_activity`, `waiting` and `holding` tell (the watchdog
-    started last in this process)."""
-    _latest[:] = [watchdog]
-
-
-def last_activity():
-    """What this rank was last doing, as its most recently started watchdog knows it."""
-    return _latest[0]._last[1] if _latest else None
-
-
-def doing(what):
-    """Tells this process's watchdog (if running) that it is doing `what` on its own (one
-    timeout): a user's callback, so that a rank stuck in one names itself before the ranks
-    that wait for it (twice the time) do."""
-    if _latest and _latest[0]._thread is not None:
-        _latest[0].beat(what)
-
-
-@contextlib.contextmanager
-def busy(what):
-    """Tells this process's watchdog (if running) that this thread is in `what` on its own
-    (one timeout) until the block ends, beside whatever the training thread tells it: for
-    a user's data code, which runs in tf.data's or a loader's thread while the training
-    thread waits inside a step (twice the time), so that a rank stuck loading its data is
-    the one named, and named for that."""
-    dog = _latest[0] if _latest and _latest[0]._thread is not None else None
-    if dog is None:
-        yield
-        return
-    key = dog.enter(what)
-    try:
-        yield
-    finally:
-        dog.leave(key)
-
-
-def waiting(what):
-    """Tells this process's watchdog (the one started last, if running) that it is in a
-    collective, waiting for the other ranks (twice the time): for collectives between
-    steps, so that a rank stuck on its own is the one named."""
-    if _latest and _latest[0]._thread is not None:
-        _latest[0].beat(what, waiting=True)
-
-
-def holding(what, waiting=False):
-    """Tells this process's watchdog (if running) that it is in a long phase of its own
-    (`FIRST_STEP_FACTOR` times the timeout: building the model, loading the data), or with
-    `waiting` that it is done and waits for the other ranks (2 timeouts more, so that a
-    rank stuck in the phase ends first and names itself)."""
-    if _latest and _latest[0]._thread is not None:
-        _latest[0].hold(what, FIRST_STEP_FACTOR + (2 if waiting else 0), waiting)
 
 
 def _seconds(value, name):

@@ -208,7 +208,7 @@ class Run:
         timeout = runtime.stall_shutdown_seconds()
         if timeout and not cfg.elastic and self.guard is None:
             self.guard = watchdog.Watchdog(timeout, rank)
-            self.guard.start("set-up: building the model", timed=False)
+            self.guard.start("set-up: building the model", watchdog.OWN_SETUP)
         # Horovod: a seed per rank, so dropout and augmentation differ; weights are broadcast.
         # The seed and the precision policy go to each Keras the script imported (the model's
         # Keras is known once it is built; one imported inside `build_model` builds it again).
@@ -286,9 +286,12 @@ class Run:
         # A bad output path fails now, on every rank, not after the training. At every
         # start, like everything here: an elastic worker that joins must run the same
         # collectives as the others.
-        watchdog.holding("set-up: checking the output paths")
+        watchdog.doing("set-up: checking the output paths", watchdog.OWN_SETUP)
         runtime.agree(self._check_outputs, root_only=True)
-        watchdog.holding("set-up: preparing the data (loading, counting, agreeing)")
+        watchdog.doing(
+            "set-up: preparing the data (loading, counting, agreeing)",
+            watchdog.OWN_SETUP,
+        )
         # Every start, on every worker (one that joins an elastic job included): the same
         # collectives in the same order. A loader may use collectives itself.
         data = runtime.agree(lambda: as_data(self.data_source, cfg.limit_samples))
@@ -307,7 +310,7 @@ class Run:
         for schedule in schedules.values():
             rates.rescale_schedule(b.model, schedule, p.size, warmup_steps)
         if position is None:
-            watchdog.holding("set-up: resuming from the newest checkpoint")
+            watchdog.doing("set-up: resuming from the newest checkpoint", watchdog.OWN_SETUP)
             r = resume.from_newest(b.manager, cfg, p, steps, per_rank, schedules, self.log)
             start_step, self.resumed, self.stopped = r.start_step, r.where, r.stopped
             self.history = dict(r.history)
@@ -320,7 +323,7 @@ class Run:
             start_step = resume_step(saved, steps, global_batch)
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
         b.exchange.begin(start_step, warmup_steps)  # every rank holds the same weights here
-        watchdog.holding("set-up: preparing the test set")
+        watchdog.doing("set-up: preparing the test set", watchdog.OWN_SETUP)
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
         self.plan = Plan(p, data, steps, per_rank, global_batch, warmup_steps, start_step, test_ds)
         return start_step
@@ -340,7 +343,7 @@ class Run:
         cfg, b, plan = self.cfg, self.built, self.plan
         p, steps = plan.place, plan.steps
         # A stuck rank ends the job: no hang.
-        self.watchdog = watchdog.WatchdogCallback(watchdog=self.guard)
+        self.watchdog = cb.WatchdogCallback(watchdog=self.guard)
         self.throughput = cb.ThroughputCallback(plan.global_batch, steps)
         if self.user is None:  # one for the run: an elastic restart goes on with them
             self.user = usercallbacks.UserCallbacks(self.user_callbacks, p.rank)
@@ -413,7 +416,10 @@ class Run:
 
         cfg, b, plan = self.cfg, self.built, self.plan
         steps, start, model = plan.steps, plan.start_step, b.model
-        watchdog.holding("starting Keras's fit (the callbacks, the data, on_train_begin)")
+        watchdog.doing(
+            "starting Keras's fit (the callbacks, the data, on_train_begin)",
+            watchdog.OWN_SETUP,
+        )
         callbacks = self.callbacks(**callback_args)
         self.log.info("%s", summary.first_line(self))
 
@@ -506,7 +512,7 @@ class Run:
 
     def check(self):
         """Every rank's host, pid and weights digest; identical weights or an error."""
-        watchdog.holding("comparing the weights of every rank", waiting=True)
+        watchdog.doing("comparing the weights of every rank", watchdog.OTHER_RANKS_SETUP)
         agreement.check_weights_agree(self.built.model, "at the end of training")
         ranks = runtime.rank_report(self.built.model, **self.built.exchange.rank_figures())
         if len({r["weights_digest"] for r in ranks}) != 1:
@@ -528,7 +534,7 @@ class Run:
         out = summary.finished(self, result, ranks or self.check(), **more)
         if p.rank != 0:
             return out
-        watchdog.holding("writing the exported model and the metrics JSON")
+        watchdog.doing("writing the exported model and the metrics JSON", watchdog.OWN_SETUP)
         written, failed = [], []
         if b.manager:
             path = os.path.join(b.manager.directory, "model.keras")

@@ -26,7 +26,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import stall, watchdog
+from hvdtrain import watchdog
 from hvdtrain.errors import invalid_value
 
 __all__ = ["rank0_only", "runs_on_rank0_only", "UserCallbacks", "AgreedSteering"]
@@ -159,7 +159,7 @@ class UserCallbacks(tf.keras.callbacks.Callback):
         own = "batch" not in hook
         for c in self.callbacks:
             if own and _overrides(c, hook):
-                stall.doing(f"in your callback {type(c).__name__}.{hook}")
+                watchdog.doing(f"in your callback {type(c).__name__}.{hook}")
             getattr(c, hook)(*args)
 
     def on_train_begin(self, logs=None):
@@ -252,7 +252,10 @@ class AgreedSteering(tf.keras.callbacks.Callback):
         mine = bool(getattr(self.model, "stop_training", False))
         if hvd.size() > 1:
             # Between steps, for the other ranks: a rank stuck on its own is the one named.
-            watchdog.waiting("agreeing with the other ranks whether a callback stopped training")
+            watchdog.doing(
+                "agreeing with the other ranks whether a callback stopped training",
+                watchdog.OTHER_RANKS,
+            )
             flag = tf.constant(int(mine), tf.int32)
             mine = bool(hvd.allreduce(flag, op=hvd.Max, name="hvdtrain.stop_training").numpy())
         self.model.stop_training = mine
@@ -261,7 +264,7 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     def _rates_from_rank0(self):
         if hvd.size() == 1 or not self.rates:
             return
-        watchdog.waiting("taking rank 0's learning rates, set by the callbacks")
+        watchdog.doing("taking rank 0's learning rates, set by the callbacks", watchdog.OTHER_RANKS)
         values = tf.stack([tf.cast(r, tf.float64) for r in self.rates])
         values = hvd.broadcast(values, 0, name="hvdtrain.single_worker_lr").numpy()
         for rate, value in zip(self.rates, np.asarray(values), strict=True):

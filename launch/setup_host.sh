@@ -34,7 +34,7 @@ case "$tf_version" in
   *) die "Invalid value for \`TF_VERSION\`: received '$tf_version'; expected 2.21.0 (the default) or 2.15.1" ;;
 esac
 inputs=(setup.cfg pyproject.toml "$constraints" launch/setup_host.sh launch/install_horovod.sh
-        launch/horovod-0.28.1.patch hvdtrain/startup.py)  # startup.py: the .pth it writes
+        launch/horovod-0.28.1.patch)
 
 apt_install() {
   if [ "$(id -u)" -ne 0 ]; then
@@ -65,6 +65,16 @@ if [ ${#need[@]} -gt 0 ]; then
     apt_install "${need[@]}"
   fi
 fi
+
+# Set-ups before 2026-11-29 wrote hvdtrain-quiet-start.pth into site-packages, which ran code
+# of ours as every Python of the environment started (pip does not know it): removed.
+remove_old_pth() {  # remove_old_pth VENV
+  local old
+  for old in "$1"/lib/python3*/site-packages/hvdtrain-quiet-start.pth; do
+    if [ -f "$old" ]; then rm -f "$old" && echo "setup_host: removed $old (no longer used)"; fi
+  done
+}
+remove_old_pth "$venv"
 
 # The stamp: the set-up's inputs, the stack and the interpreter's version.
 fingerprint() { { cat "${inputs[@]}"; echo "$tf_version"; "$venv/bin/python" -V; } | sha256sum; }
@@ -121,8 +131,6 @@ quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel 
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
 quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
-# TensorFlow's start-up lines left out in launched processes, whatever they import first.
-"$venv/bin/python" -c 'from hvdtrain.startup import install_pth; install_pth()'
 "$venv/bin/python" -c 'import hvdtrain, numpy, tensorflow, horovod.tensorflow.keras, mpi4py' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"

@@ -1,6 +1,7 @@
 """Keras 2 for tf.keras: hvdtrain sets it up, and a wrong Keras is one clear error."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -191,82 +192,61 @@ def test_tensorflow_keras_submodules_are_keras2_when_tensorflow_came_first():
                                         "tf_keras.src.preprocessing.image"]  # fmt: skip
 
 
-# -- the same, whatever a launched script imports first (the `.pth` of hvdtrain.startup) ----
+# -- nothing of hvdtrain in a Python that does not import it ---------------------------------
+OLD_PTH = "hvdtrain-quiet-start.pth"  # what set-ups before 2026-11-29 wrote
 
 
-def test_launched_processes_are_ranks_horovodrun_and_their_children():
-    from hvdtrain.startup import launched
-
-    assert not launched({}, ["train.py"]) and not launched({}, [])
-    for name in ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMI_RANK", "PMIX_RANK"):
-        assert launched({name: "0"}, ["train.py"])
-    assert launched({}, ["/venv/bin/horovodrun", "-np", "2"])
-    assert launched({"HVDTRAIN_QUIET_START": "1"}, ["-c"])  # horovodrun's build check
-    assert not launched({"HVDTRAIN_QUIET_START": "0"}, ["-c"])
-
-
-def _start(argv, **env):
-    """A real process of this environment, its `.pth` files read as Python starts; nothing
-    of the tests' own settings (the log level, the Keras variable) in its environment."""
-    drop = ("TF_CPP_MIN_LOG_LEVEL", "TF_USE_LEGACY_KERAS", "HVDTRAIN_QUIET_START")
-    environ = {k: v for k, v in os.environ.items() if k not in drop}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**environ, **env})
+def _remove_old_pth(venv):
+    """setup_host.sh's `remove_old_pth` step alone, on `venv`: its output."""
+    script = open(os.path.join(ROOT, "launch", "setup_host.sh")).read()
+    step = re.search(r"^remove_old_pth\(\) \{.*?^\}\n", script, re.MULTILINE | re.DOTALL)
+    assert step, "launch/setup_host.sh: no remove_old_pth step"
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", step.group() + 'remove_old_pth "$1"',
+                           "-", str(venv)], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout
 
 
-TF_FIRST = "import tensorflow as tf; print(tf.constant(2).numpy()); import os; print(os.environ.get"
+def test_the_set_up_writes_no_pth_and_removes_the_old_one(tmp_path):
+    """A set-up run again over an environment with the old `.pth` removes it, in one line,
+    before it can stop early (nothing to do); the set-up and the image write none."""
+    site = tmp_path / "lib" / "python3.13" / "site-packages"
+    site.mkdir(parents=True)
+    (site / OLD_PTH).write_text("import sys; exec('...')\n")
+    (site / "distutils-precedence.pth").write_text("x\n")
+    assert _remove_old_pth(tmp_path) == f"setup_host: removed {site / OLD_PTH} (no longer used)\n"
+    assert sorted(p.name for p in site.iterdir()) == ["distutils-precedence.pth"]
+    assert _remove_old_pth(tmp_path) == ""  # nothing left: nothing said
+    setup = open(os.path.join(ROOT, "launch", "setup_host.sh")).read()
+    assert setup.index('remove_old_pth "$venv"') < setup.index("exit 0")
+    for path in ("launch/setup_host.sh", "Dockerfile"):
+        text = open(os.path.join(ROOT, path)).read()
+        assert "install_pth" not in text and "startup" not in text, path
+    for folder, _, files in os.walk(os.path.join(ROOT, "hvdtrain")):
+        for name in (f for f in files if f.endswith(".py")):
+            assert "register_at_fork" not in open(os.path.join(folder, name)).read(), name
 
 
-def test_the_set_up_installs_the_pth_and_it_quiets_launched_processes_alone(tmp_path):
-    """The set-up wrote the `.pth` for this hvdtrain (a missing install step fails here). A
-    rank that imports TensorFlow first prints none of its start-up noise and gets the level;
-    any other process is as without hvdtrain: nothing loaded, nothing printed."""
+def test_plain_mpirun_shows_tensorflows_start_up_lines_and_one_setting_quiets_them(tmp_path):
+    """docs/getting-started.md: two ranks under plain mpirun that import TensorFlow first,
+    oneDNN on (as on AVX512_VNNI CPUs; forced here): its two start-up lines, twice in each
+    rank, whatever TF_CPP_MIN_LOG_LEVEL says, nothing of hvdtrain loaded in them; with
+    TF_ENABLE_ONEDNN_OPTS=0, none. Fails while an old set-up's `.pth` is in the environment."""
     import sysconfig
 
-    from hvdtrain.startup import PTH_NAME, install_pth, is_startup_noise, pth_text
-
-    installed = os.path.join(sysconfig.get_paths()["purelib"], PTH_NAME)
-    with open(installed) as f:
-        assert f.read() == pth_text(), "run the set-up: make setup (launch/setup_host.sh)"
-    assert install_pth(str(tmp_path)) == str(tmp_path / PTH_NAME)
-    assert (tmp_path / PTH_NAME).read_text() == pth_text()
-
-    script = f"{TF_FIRST}('TF_CPP_MIN_LOG_LEVEL'))"
-    rank = _start([sys.executable, "-c", script], OMPI_COMM_WORLD_RANK="1")
-    assert rank.returncode == 0 and rank.stdout == "2\n2\n", rank.stderr
-    assert not [line for line in rank.stderr.splitlines() if is_startup_noise(line)], rank.stderr
-    probe = "import sys, os; print([m in sys.modules for m in ('hvdtrain', 'hvdtrain.startup')], "
-    probe += "os.environ.get('HVDTRAIN_QUIET_START'))"
-    for env in ({}, {"HOROVOD_RANK": "0"}):
-        proc = _start([sys.executable, "-c", probe], **env)
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        # In a rank, the one file alone: not the package (its Keras setting, its hooks)
-        assert proc.stdout == ("[False, True] 1\n" if env else "[False, False] None\n")
-
-
-def test_a_pth_whose_hvdtrain_is_gone_changes_nothing(tmp_path):
-    """hvdtrain moved or uninstalled, its `.pth` left behind: Python starts as without it."""
-    from hvdtrain.startup import pth_text
-
-    (tmp_path / "stale.pth").write_text(pth_text(str(tmp_path / "gone" / "startup.py")))
-    probe = f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
-    probe += "print('hvdtrain.startup' in sys.modules)"
-    proc = _start([sys.executable, "-S", "-c", probe], OMPI_COMM_WORLD_RANK="0")  # that .pth only
-    assert proc.returncode == 0 and proc.stdout == "False\n" and proc.stderr == "", proc.stderr
-
-
-def test_plain_launchers_print_none_of_tensorflows_start_up_noise(tmp_path):
-    """horovodrun's build check (a forked child loads Horovod's library) and two ranks under
-    plain mpirun that import TensorFlow first: not one line of TensorFlow's start-up."""
     from hvdtrain.startup import is_startup_noise
 
-    bindir = os.path.dirname(sys.executable)
-    check = _start([os.path.join(bindir, "horovodrun"), "--check-build"])
-    assert check.returncode == 0 and "[X] TensorFlow" in check.stdout, check.stderr
+    old = os.path.join(sysconfig.get_paths()["purelib"], OLD_PTH)
+    assert not os.path.exists(old), f"{old}: run the set-up again (make setup) to remove it"
     script = tmp_path / "tf_first.py"
-    script.write_text(TF_FIRST.replace("; ", "\n") + "('TF_CPP_MIN_LOG_LEVEL'))\n")
-    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable]
-    job = _start([*mpirun, str(script)])
-    assert job.returncode == 0 and job.stdout == "2\n2\n" * 2, job.stdout + job.stderr
-    for proc in (check, job):
-        lines = (proc.stdout + proc.stderr).splitlines()
-        assert not [line for line in lines if is_startup_noise(line)], proc.stderr
+    loaded = "[m for m in sys.modules if 'hvdtrain' in m]"
+    script.write_text(f"import sys, tensorflow as tf\nprint(tf.constant(2).numpy(), {loaded})\n")
+    root = ["--allow-run-as-root"] if os.getuid() == 0 else []
+    mpirun = ["mpirun", *root, "--oversubscribe", "-np", "2", sys.executable, str(script)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TF_USE_LEGACY_KERAS")}
+    for onednn, lines in (("1", 8), ("0", 0)):
+        env.update(TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS=onednn)
+        job = subprocess.run(mpirun, capture_output=True, text=True, timeout=300, env=env)
+        assert job.returncode == 0 and job.stdout == "2 []\n" * 2, job.stdout + job.stderr
+        noise = [line for line in job.stderr.splitlines() if is_startup_noise(line)]
+        assert len(noise) == lines and len(noise) == len(job.stderr.splitlines()), job.stderr

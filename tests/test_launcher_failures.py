@@ -164,10 +164,10 @@ def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
     """Rank 0 waited in a step and its watchdog ended it first (status 124): the rank whose
     own watchdog said it was stuck is named; with none (a frozen process), the words say
     rank 0 waited."""
-    from hvdtrain.watchdog import _message
+    from hvdtrain.watchdog import message
 
-    waited = "[1,0]<stderr>:" + _message(0, 20, "in step 6 of epoch 1", waited=True)
-    stuck = "[1,1]<stderr>:" + _message(1, 10, "in your callback Sleepy.on_epoch_end", False)
+    waited = "[1,0]<stderr>:" + message(0, 20, "in step 6 of epoch 1", waited=True)
+    stuck = "[1,1]<stderr>:" + message(1, 10, "in your callback Sleepy.on_epoch_end", False)
     exited = MPI_EXIT.replace("[[40129,1],1]", "[[40129,1],0]").replace("   3", "   124")
     failure = find_failure((waited + stuck + exited).splitlines(), HOSTS)
     assert (failure.rank, failure.host, failure.code, failure.waited) == (1, "node2", 124, False)
@@ -183,6 +183,33 @@ def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
     )
 
 
+def test_a_watchdogs_line_is_read_by_its_marker_not_its_words():
+    """`hvdtrain-run` reads a watchdog's rank, and whether it waited for the others, from the
+    marker at the end of its line (the words may change), and prints the line without it."""
+    from hvdtrain.watchdog import message, stalls, without_marker
+
+    stuck = message(1, 10, "in your callback Sleepy.on_epoch_end", waited=False)
+    waited = message(0, 20, "in step 6 of epoch 1", waited=True)
+    assert stuck.endswith(" ending it so that the launcher ends the job "
+                          "[hvdtrain:stall rank=1 waiting=0]\n")  # fmt: skip
+    assert waited.endswith("[hvdtrain:stall rank=0 waiting=1]\n")
+    assert stalls(f"[1,0]<stderr>:{waited}[1,1]<stderr>:{stuck}") == [(0, True), (1, False)]
+    # Other words, the same marker: the same reading. Without the marker: nothing.
+    reworded = "[1,1]<stderr>:hvdtrain: rank 1 is stuck [hvdtrain:stall rank=1 waiting=0]\n"
+    exited = MPI_EXIT.replace("[[40129,1],1]", "[[40129,1],0]").replace("   3", "   124")
+    found = find_failure(("[1,0]<stderr>:" + waited + reworded + exited).splitlines(), HOSTS)
+    assert (found.rank, found.code, found.waited) == (1, 124, False)
+    words_only = without_marker(stuck)
+    assert stalls(words_only) == [] and words_only == stuck.replace(
+        " [hvdtrain:stall rank=1 waiting=0]", ""
+    )
+    found = find_failure(("[1,0]<stderr>:" + waited + words_only + exited).splitlines(), HOSTS)
+    assert (found.rank, found.waited) == (0, True)  # rank 1's words alone are not read
+    # What the user sees: the line as before, without the marker; `seen` keeps it.
+    shown, f = filtered(f"[1,1]<stderr>:{stuck}")
+    assert shown == f"[1,1]<stderr>:{words_only}" and "[hvdtrain:stall rank=1" in f.seen[0]
+
+
 def test_other_tracebacks_pass_through_and_nothing_found_is_none():
     text = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: mine\nafter\n'
     shown, f = filtered(text)
@@ -194,10 +221,11 @@ def test_a_rank_ending_starts_the_launchers_grace_and_unanswering_hosts_are_name
 
     from hvdtrain.errors import HvdtrainError
     from hvdtrain.launcher.failures import explain_unanswered, is_ending, launcher_grace_seconds
+    from hvdtrain.watchdog import message
 
     # Seen when host node2's network was cut (tests/test_lost_hosts.py): rank 0's watchdog,
     # then mpirun's abort, which then waits for node2's daemon.
-    watchdog = "[1,0]<stderr>:hvdtrain: rank 0 made no progress for 20 s (last: in step 1 ...)"
+    watchdog = "[1,0]<stderr>:" + message(0, 20, "in step 1 ...", waited=False)
     assert is_ending(watchdog)
     assert is_ending("a non-zero exit code. Per user-direction, the job has been aborted.")
     assert all(is_ending(line) for line in GLOO.splitlines()[:1])

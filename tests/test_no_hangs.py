@@ -115,8 +115,8 @@ STUCK_STALL = 10  # Horovod then checks every 2 s (a fifth) and shuts down after
 STUCK = {
     # A user's epoch-end callback: hvdtrain beats the watchdog at one stall time there.
     "callback": r"rank 1 made no progress for \d+ s \(last: in your callback Sleepy.on_epoch_end\)",
-    # A Sequence's __getitem__, in tf.data's thread (`stall.busy`, one stall time), while the
-    # training thread waits inside a step.
+    # A Sequence's __getitem__, in tf.data's thread (`watchdog.doing_in_thread`, one stall
+    # time), while the training thread waits inside a step.
     "data": r"rank 1 made no progress for \d+ s \(last: loading a batch of your data "
             r"\(Batches, your code\)\)",
     # Inside a step, before the gradients: Horovod's stall check (1.8 stall times at most)
@@ -171,6 +171,7 @@ def test_the_stuck_rank_is_the_one_named(where, backend, tmp_path):
         assert re.search(STUCK[where], output), output[-6000:]
     assert "rank 0 made no progress" not in output
     assert "rank 0 on host localhost" not in output
+    assert "[hvdtrain:stall" not in output  # the watchdog's marker: read, not printed
 
 
 @pytest.mark.timeout(200)
@@ -322,11 +323,11 @@ def test_watchdog_fires_without_beats_and_names_rank_and_activity():
 
 
 def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
-    from hvdtrain.watchdog import Watchdog
+    from hvdtrain.watchdog import OTHER_RANKS, OWN_SETUP, Watchdog
 
     fired = []
     dog = Watchdog(0.3, rank=0, on_timeout=fired.append)
-    dog.start("the first step", timed=False)
+    dog.start("the first step", OWN_SETUP)
     time.sleep(1.5)
     assert not fired  # on hold: 10 x 0.3 s
     assert _wait_for(lambda: fired)
@@ -334,7 +335,7 @@ def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
     dog.stop()
     fired.clear()
     dog.start("again")
-    dog.beat("in a step", waiting=True)
+    dog.beat("in a step", OTHER_RANKS)
     time.sleep(0.45)
     assert not fired  # 0.45 s < 2 x 0.3 s
     assert _wait_for(lambda: fired)
@@ -343,32 +344,74 @@ def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
 
 
 def test_watchdog_names_a_threads_own_work_before_the_waiting_step():
-    """`stall.busy` from another thread (tf.data's, running a user's data code): one timeout,
-    while the training thread waits inside a step (two); named for it, then forgotten."""
-    from hvdtrain import stall
-    from hvdtrain.watchdog import Watchdog
+    """`watchdog.doing_in_thread` from another thread (tf.data's, running a user's data
+    code): one timeout, while the training thread waits inside a step (two); named for it,
+    then forgotten."""
+    from hvdtrain.watchdog import OTHER_RANKS, Watchdog, doing_in_thread
 
     fired = []
     dog = Watchdog(0.3, rank=1, on_timeout=fired.append)
     dog.start("again")
-    dog.beat("in a step", waiting=True)
+    dog.beat("in a step", OTHER_RANKS)
     done = threading.Event()
 
     def load(seconds):
-        with stall.busy("loading a batch of your data"):
+        with doing_in_thread("loading a batch of your data"):
             time.sleep(seconds)
         done.set()
 
     threading.Thread(target=load, args=(0.1,)).start()
     assert done.wait(5) and not dog._busy  # left: forgotten
-    dog.beat("in a step", waiting=True)
+    dog.beat("in a step", OTHER_RANKS)
     threading.Thread(target=load, args=(30,), daemon=True).start()
     assert _wait_for(lambda: fired)
     assert "(last: loading a batch of your data)" in fired[0]
     dog.stop()
     assert not dog._busy  # stopping forgets it
-    with stall.busy("nothing runs"):  # no watchdog running: nothing recorded
+    with doing_in_thread("nothing runs"):  # no watchdog running: nothing recorded
         assert not dog._busy
+
+
+def test_doing_tells_the_watchdog_started_last_while_it_runs():
+    """The registry: `doing` and `doing_in_thread` tell the running watchdog started last
+    in this process, nothing once it stopped; `last_activity` keeps what it last knew."""
+    from hvdtrain.watchdog import OWN_WORK, Watchdog, doing, doing_in_thread, last_activity
+
+    first, second = Watchdog(60, rank=0), Watchdog(60, rank=0)
+    first.start("first started")
+    assert Watchdog.latest() is first and first.running
+    doing("in your callback A.on_epoch_end")
+    assert first.last == last_activity() == "in your callback A.on_epoch_end"
+    second.start("second started")
+    doing("told to the second", OWN_WORK)
+    assert first.last == "in your callback A.on_epoch_end"
+    assert Watchdog.latest() is second and last_activity() == "told to the second"
+    second.stop()
+    doing("told to none")
+    with doing_in_thread("told to none either"):
+        pass
+    assert not second.running and last_activity() == "told to the second"
+    first.stop()
+
+
+@pytest.mark.parametrize("allowance", ["OWN_WORK", "OTHER_RANKS", "OWN_SETUP", "OTHER_RANKS_SETUP"])
+def test_each_allowance_is_its_number_of_timeouts(allowance):
+    """1, 2, 10 and 12 timeouts; the two that wait for the other ranks say so."""
+    from hvdtrain import watchdog
+
+    waits_for = getattr(watchdog, allowance)
+    assert waits_for.timeouts == {"OWN_WORK": 1, "OTHER_RANKS": 2, "OWN_SETUP": 10,
+                                  "OTHER_RANKS_SETUP": 12}[allowance]  # fmt: skip
+    fired = []
+    dog = watchdog.Watchdog(0.1, rank=2, on_timeout=fired.append)
+    dog.start("started")
+    began = time.monotonic()
+    watchdog.doing("what it waits in", waits_for)
+    assert _wait_for(lambda: fired, 10)
+    assert time.monotonic() - began >= 0.1 * waits_for.timeouts
+    assert ("waiting for the other ranks" in fired[0]) is waits_for.others
+    assert fired[0].endswith(f"[hvdtrain:stall rank=2 waiting={int(waits_for.others)}]\n")
+    dog.stop()
 
 
 def test_watchdog_stops_and_checks_its_timeout():
@@ -387,7 +430,7 @@ def test_watchdog_stops_and_checks_its_timeout():
 
 
 def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
-    from hvdtrain.watchdog import WatchdogCallback
+    from hvdtrain.callbacks import WatchdogCallback
 
     callback = WatchdogCallback()  # made before hvdtrain.init(): reads the time in fit
     monkeypatch.delenv("HVDTRAIN_STALL_SHUTDOWN_SECONDS", raising=False)
@@ -402,18 +445,18 @@ def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
 
 
 def test_watchdog_callback_times_steps_after_the_first():
-    from hvdtrain.watchdog import WatchdogCallback
+    from hvdtrain import watchdog
+    from hvdtrain.callbacks import WatchdogCallback
 
     fired = []
     cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)
-    from hvdtrain import stall
 
     cb.on_train_begin()
     cb.on_epoch_begin(0)
     # A collective at the epoch's start (the learning rates from rank 0) beats at 2 x 0.3 s;
     # the first step after it still has its 10 x (in a loaded elastic job, both ranks'
     # watchdogs fired while tracing it: the collective's limit had replaced the step's).
-    stall.waiting("taking rank 0's learning rates")
+    watchdog.doing("taking rank 0's learning rates", watchdog.OTHER_RANKS)
     cb.on_train_batch_begin(0)
     time.sleep(0.8)  # the first step (tracing) has 10 x 0.3 s
     assert not fired

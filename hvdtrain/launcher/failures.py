@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from hvdtrain.errors import invalid_value
-from hvdtrain.stall import WAITED
 from hvdtrain.startup import is_startup_noise
 from hvdtrain.tracebacks import same_text
+from hvdtrain.watchdog import stalls, without_marker
 
 __all__ = [
     "Failure",
@@ -73,9 +73,10 @@ _SIGNALED = re.compile(
 _STALL_SHUTDOWN = re.compile(r"is stalled for longer than (\d+) seconds\. Will shutdown")
 _STALLED = re.compile(r"(?<![\w,\[])(\d+)!: \[")
 STALLED = 124  # as the watchdog's exit status: the job was ended for taking too long
-# A rank is ending: hvdtrain's watchdog or error lines, mpirun's abort, Gloo's launcher.
+# A rank is ending: hvdtrain's watchdog (its marker) or error lines, mpirun's abort, Gloo's
+# launcher.
 _ENDING = re.compile(
-    r"hvdtrain: rank \d+ (made no progress|stopped)|the job has been aborted|MPI_ABORT was invoked"
+    r"\[hvdtrain:stall |hvdtrain: rank \d+ stopped|the job has been aborted|MPI_ABORT was invoked"
     r"|exited on signal \d+|Horovod detected that one or more processes exited"
 )
 LAUNCHER_GRACE_SECONDS = 30  # for the launcher to end after a rank did (HVDTRAIN_LAUNCHER_GRACE)
@@ -178,7 +179,8 @@ class _Repeats:
 
 class OutputFilter:
     """Passes the launcher's stderr through line by line, minus horovodrun's traceback
-    after a failed rank, and keeps the recent lines for `find_failure`.
+    after a failed rank and the marker of a watchdog's line (`hvdtrain.watchdog`), and
+    keeps the recent lines, as they came, for `find_failure`.
 
     `elastic`: the job is elastic (horovodrun `--log-level INFO`): the driver's INFO lines
     are left out, but the one saying it blacklists a host becomes a line of hvdtrain-run's
@@ -198,6 +200,7 @@ class OutputFilter:
         if self.quiet and is_startup_noise(line):
             return []
         self.seen.append(line)
+        line = without_marker(line)
         if self.elastic and line.startswith(("INFO:", "DEBUG:")):
             host = _BLACKLIST.search(line)
             return [f"hvdtrain-run: {blacklisted(host.group(1), self.cooldown)}\n"] if host else []
@@ -275,16 +278,13 @@ def _first_to_fail(found, text):
     return found
 
 
-_WATCHDOG = re.compile(rf"hvdtrain: rank (\d+) made no progress for \d+ s(, {WAITED})?")
-
-
 def _stuck_not_waiting(found, text):
     """A watchdog's status (124) names the rank stuck on its own, whose line said so, not
     one that waited for it and exited first; if only waiting ranks' watchdogs fired, the
-    one named is `waited`."""
+    one named is `waited`. The watchdogs' lines are read by their marker, not their words."""
     if found.code != STALLED:
         return found
-    lines = [(int(m.group(1)), bool(m.group(2))) for m in _WATCHDOG.finditer(text)]
+    lines = stalls(text)
     stuck = [rank for rank, waited in lines if not waited]
     if stuck and stuck[0] != found.rank:
         return Failure(stuck[0], code=STALLED)

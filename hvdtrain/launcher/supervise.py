@@ -17,6 +17,7 @@ import threading
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
 from hvdtrain.startup import noise_unwanted
+from hvdtrain.watchdog import without_marker
 
 __all__ = ["PROG", "run_command"]
 
@@ -59,7 +60,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             unseen = [n for n in notes if not any(n.strip() in s for s in watch.seen)]
             watch.seen.extend(unseen)
         if not ended:
-            sys.stderr.writelines(unseen)
+            sys.stderr.writelines(without_marker(n) for n in unseen)
             sys.stderr.flush()
         ended[:] = [grace]
         _signal_session(child[0].pid, signum)
