@@ -17,11 +17,12 @@ import hashlib
 import os
 import re
 import stat
+import sysconfig
 import tempfile
 import time
 import traceback
 
-__all__ = ["first_to_raise", "job_key", "printed_by", "same_text"]
+__all__ = ["first_to_raise", "job_key", "printed_by", "same_text", "your_frame"]
 
 # What differs from process to process for the same code: the names of the files that
 # TensorFlow's autograph writes, object addresses.
@@ -106,3 +107,31 @@ def _remove_stale(folder, keep):
                 os.unlink(path)
         except OSError:
             pass
+
+
+_LIBRARIES = None
+
+
+def your_frame(tb):
+    """The innermost frame of traceback `tb` in the user's code (a `FrameSummary`), if the
+    error came from there: a function of the user's (not the standard library's, an
+    installed package's, hvdtrain's or code TensorFlow generated) that raised it or called
+    the library that did, but not one that called hvdtrain (`hvdtrain.fit` from `main`), nor
+    a script's top level."""
+    global _LIBRARIES
+    if _LIBRARIES is None:
+        paths = sysconfig.get_paths()
+        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    deeper = None
+    for frame in reversed(traceback.extract_tb(tb)):
+        if frame.filename.startswith("<"):  # code made at run time (a dataclass's __init__)
+            continue
+        path = os.path.realpath(frame.filename)
+        library = path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
+        if not library:
+            called_us = deeper is not None and deeper.startswith(ours)
+            return None if called_us or frame.name == "<module>" else frame
+        deeper = path
+    return None

@@ -68,6 +68,7 @@ from hvdtrain.errors import (
     OutputsNotWritten,
     TrainingDiverged,
     invalid_value,
+    one_line,
 )
 from hvdtrain.flags import float16_refused, make_config
 from hvdtrain.logs import get_logger
@@ -753,12 +754,12 @@ class Run:
                 out["exported_model"] = exported
                 written.append(f"the model {out['exported_model']}")
             except (OSError, ValueError, RuntimeError) as e:
-                failed.append(f"the model {path} ({_reason(e)})")
+                failed.append(f"the model {path} ({one_line(e)})")
         try:
             if self.write_metrics(out):
                 written.append(f"the metrics {self.cfg.metrics_json}")
         except (OSError, ValueError, TypeError) as e:
-            failed.append(f"the metrics {self.cfg.metrics_json} ({_reason(e)})")
+            failed.append(f"the metrics {self.cfg.metrics_json} ({one_line(e)})")
         if failed:
             kept = f"; the trained weights are in {b.manager.directory}" if b.manager else ""
             raise OutputsNotWritten(
@@ -856,11 +857,6 @@ def _data_of(data):
         "((x, y), (x_test, y_test)), or a keras.utils.PyDataset, a Keras Sequence or a "
         "generator (alone or as (train, test))",
     )
-
-
-def _reason(error):
-    """An OSError's reason (`No space left on device`), else the error's first line."""
-    return getattr(error, "strerror", None) or (str(error).splitlines() or [repr(error)])[0]
 
 
 def _explained(error, rank, data=None):

@@ -352,7 +352,7 @@ def test_the_first_line_names_your_function(tmp_path):
     import sys
 
     from hvdtrain import flags
-    from hvdtrain.runtime import your_frame
+    from hvdtrain.tracebacks import your_frame
 
     def parse(x):
         return int(x)
