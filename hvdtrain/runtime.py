@@ -21,7 +21,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, stall, tuning
+from hvdtrain import compat, logs, stall, tuning
 from hvdtrain.errors import HvdtrainError, horovod_up, kind_of
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 
@@ -150,6 +150,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
     hvd.init(comm=comm)
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     horovod_up(hvd.rank(), stall.last_activity)  # the hook of uncaught errors names the rank
+    logs.keras_set_up_on_rank0(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
             f"Invalid value for `comm`: received {kind_of(comm)} while Horovod runs on "
