@@ -2,7 +2,7 @@
 
 When every rank hits the same bug (a typo in `train_step`, a parse function that fails on
 every file), each would print the same traceback, and a launcher interleaves them line by
-line. hvdtrain's hook of uncaught errors (`hvdtrain.runtime`) asks `first_to_raise` first:
+line. hvdtrain's hook of uncaught errors (`hvdtrain.errors`) asks `first_to_raise` first:
 the first rank of the job on this host publishes its traceback in a small file (in
 `hvdtrain-<uid>` of the temp folder, mode 0700) and prints it; a later rank whose
 traceback is the same (`same_text`) prints one line naming that rank instead. A different
