@@ -360,7 +360,7 @@ def _where(error, tb):
     marked = getattr(error, "hvdtrain_where", None)
     if marked:
         return marked
-    frame = tracebacks.your_frame(tb)
+    frame = tracebacks.your_frame(tb) or tracebacks.traced_frame(str(error))
     return f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})" if frame else None
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 
-__all__ = ["first_to_raise", "job_key", "printed_by", "same_text", "your_frame"]
+__all__ = ["first_to_raise", "job_key", "printed_by", "same_text", "traced_frame", "your_frame"]
 
 # What differs from process to process for the same code: the names of the files that
 # TensorFlow's autograph writes, object addresses.
@@ -110,6 +110,20 @@ def _remove_stale(folder, keep):
 
 
 _LIBRARIES = None
+# A frame that TensorFlow's error while tracing lists in its message.
+_TRACED = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _library(path):
+    """Whether `path` (real) is the standard library's, an installed package's, hvdtrain's
+    or code TensorFlow generated."""
+    global _LIBRARIES
+    if _LIBRARIES is None:
+        paths = sysconfig.get_paths()
+        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    return path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
 
 
 def your_frame(tb):
@@ -118,20 +132,27 @@ def your_frame(tb):
     installed package's, hvdtrain's or code TensorFlow generated) that raised it or called
     the library that did, but not one that called hvdtrain (`hvdtrain.fit` from `main`), nor
     a script's top level."""
-    global _LIBRARIES
-    if _LIBRARIES is None:
-        paths = sysconfig.get_paths()
-        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
     ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
     deeper = None
     for frame in reversed(traceback.extract_tb(tb)):
         if frame.filename.startswith("<"):  # code made at run time (a dataclass's __init__)
             continue
         path = os.path.realpath(frame.filename)
-        library = path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
-        if not library:
+        if not _library(path):
             called_us = deeper is not None and deeper.startswith(ours)
             return None if called_us or frame.name == "<module>" else frame
         deeper = path
+    return None
+
+
+def traced_frame(message):
+    """The innermost frame of the user's code that TensorFlow's error while tracing lists
+    in its `message` ("in user code:", the frames, then the error: a parse function that
+    tf.data maps, a `train_map`, a `train_step`), or None. Its traceback holds only the code
+    TensorFlow generated from the user's."""
+    if not message.startswith("in user code:"):
+        return None
+    for path, line, name in reversed(_TRACED.findall(message)):
+        if not _library(os.path.realpath(path)):
+            return traceback.FrameSummary(path, int(line), name, lookup_line=False)
     return None

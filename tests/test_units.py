@@ -209,6 +209,13 @@ def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     cause = one_line(raised.value)  # the tensor's class is named as TensorFlow's version has it
     assert cause.startswith("AttributeError: '")
     assert cause.endswith("object has no attribute 'no_such_method'")
+    # Its traceback holds TensorFlow's generated code, not the user's function; the message
+    # names it, and so does the first line of a failed rank (a FileData parse function).
+    from hvdtrain.tracebacks import traced_frame
+
+    frame = traced_frame(str(raised.value))
+    assert frame.name == "step" and frame.filename == __file__ and frame.lineno > 0
+    assert traced_frame("a plain message") is None
 
 
 def test_one_helper_makes_an_error_one_line_in_each_presentation():
