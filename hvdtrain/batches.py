@@ -50,14 +50,15 @@ import itertools
 import multiprocessing
 import os
 import random
+import traceback
 import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import watchdog
+from hvdtrain import errors, tracebacks, watchdog
 from hvdtrain.data import Data
-from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
+from hvdtrain.errors import HvdtrainError, invalid_value, kind_of, one_line
 
 __all__ = ["BatchData", "is_batches"]
 
@@ -206,7 +207,7 @@ class _Indexed:
         try:  # Keras 3's PyDataset may give `num_batches` alone (None: endless)
             n = len(self.seq) if hasattr(type(self.seq), "__len__") else self.seq.num_batches
         except Exception as e:
-            raise HvdtrainError(f"{self.name}'s length raised {_what(e)}") from None
+            raise _raised(e, f"len({self.name})") from None
         if n is None:
             raise HvdtrainError(
                 f"{self.name} has no length (num_batches is None): an endless PyDataset; give "
@@ -223,7 +224,7 @@ class _Indexed:
             except HvdtrainError:
                 raise
             except Exception as e:
-                raise HvdtrainError(f"{self.name}[{index}] raised {_what(e)}") from None
+                raise _raised(e, f"{self.name}[{index}]") from None
         return _standard(batch, f"{self.name}[{index}]")
 
     def hook(self, name, seed, epoch):
@@ -234,7 +235,7 @@ class _Indexed:
             try:
                 fn()
             except Exception as e:
-                raise HvdtrainError(f"{self.name}.{name}() raised {_what(e)}") from None
+                raise _raised(e, f"{self.name}.{name}()") from None
         if name == "on_epoch_end":
             self.ended = epoch
 
@@ -316,17 +317,23 @@ class _Stream:
         try:
             it = iter(self.gen(*args))
         except Exception as e:
-            raise HvdtrainError(f"{self.name}{args} raised {_what(e)}") from None
+            raise _raised(e, f"{self.name}{args}") from None
         return it if self.self_sharded else itertools.islice(it, rank, None, size)
 
+    def own(self, k, rank, size):
+        """The position in the generator's own count of rank `rank`'s `k`-th batch of an
+        epoch (`open`): what an error names, as the user counts the generator's batches."""
+        return k if self.self_sharded else k * size + rank
+
     def next(self, it, position):
-        """The next batch of `it` (standardized), or None at its end."""
+        """The next batch of `it` (standardized), or None at its end; `position`: its place
+        in the generator's own count (`own`)."""
         try:
             batch = next(it)
         except StopIteration:
             return None
         except Exception as e:
-            raise HvdtrainError(f"{self.name} raised {_what(e)} at batch {position}") from None
+            raise _raised(e, f"{self.name}'s batch {position}") from None
         return _standard(batch, f"{self.name}'s batch {position}")
 
     def at(self, position):
@@ -355,9 +362,33 @@ class _Stream:
         return self.first
 
 
-def _what(error):
-    text = " ".join(str(error).split())[:300]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+def _raised(error, what):
+    """What to raise for `error`, raised by the data's code while hvdtrain ran it for
+    `what` (in the data's own terms: `Images[9]`, `Images.on_epoch_end()`, `batches's batch
+    20`, counted as the generator counts them).
+
+    A ValueError or KeyError with a message that a `raise` in the user's own code threw is
+    deliberate: one line naming `what`, and that function with its file and line (an
+    `HvdtrainError`, exit 2). Another error that came through the user's code (a typo's
+    NameError, a library's error on what the code gave it) is a bug, treated as one in a
+    callback is: itself, marked with `what` and the place (`errors.in_your_code`), so that
+    its traceback is printed once per host and its rank's line names both (exit 1). An
+    error from no code of the user's (a library's own loader) stays one line."""
+    frame = tracebacks.your_frame(error.__traceback__)
+    if frame is None:
+        return HvdtrainError(f"{what} raised {one_line(error, named=True, whole=True, most=300)}")
+    raiser = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
+    deliberate = (
+        isinstance(error, ValueError | KeyError)
+        and str(error).strip()
+        and (raiser.filename, raiser.lineno) == (frame.filename, frame.lineno)
+        and (raiser.line or "").startswith("raise")
+    )
+    if deliberate:
+        text = one_line(error, named=True, whole=True, most=300)
+        return HvdtrainError(f"{what} raised {text} in {where}")
+    return errors.in_your_code(error, what, where)
 
 
 class BatchData(Data):
@@ -506,17 +537,18 @@ class BatchData(Data):
             return {"count": None, "batch_size": _batch_size(first),
                     "signature": _signature_of([first], source.name)}  # fmt: skip
         it = source.open(p.rank, p.size, seed, 0)
-        first = source.next(it, 0)
+        first = source.next(it, source.own(0, p.rank, p.size))
         if first is None:
             raise HvdtrainError(f"{source.name} yielded no batch for rank {p.rank} in epoch 0")
         signature = _signature_of([first], source.name)
         n = 1
         if count:
             for n in itertools.count(1):
-                batch = source.next(it, n)
+                own = source.own(n, p.rank, p.size)
+                batch = source.next(it, own)
                 if batch is None:
                     break
-                _check(batch, signature, f"{source.name}'s batch {n}")
+                _check(batch, signature, f"{source.name}'s batch {own}")
         return {"count": n, "batch_size": _batch_size(first), "signature": signature}
 
     def describe(self):
@@ -592,11 +624,12 @@ class BatchData(Data):
             for epoch in range(first, last):
                 it = src.open(p.rank, p.size, seed, epoch)
                 for k in range(steps):
-                    batch = src.next(it, k)
+                    batch = src.next(it, src.own(k, p.rank, p.size))
                     if batch is None:
                         raise self._ran_out(p, epoch, k, steps)
                     if k >= (skip if epoch == first else 0):
-                        _check(batch, self.signature, f"{src.name}'s batch {k}")
+                        where = f"{src.name}'s batch {src.own(k, p.rank, p.size)}"
+                        _check(batch, self.signature, where)
                         yield batch
 
         def stream():  # one generator object: rank r's k-th batch is its (k x ranks + r)-th
@@ -645,6 +678,9 @@ class BatchData(Data):
             except HvdtrainError as e:
                 self.failure = HvdtrainError(str(e), every_rank=False)
                 raise
+            except Exception as e:  # a bug in the user's code (`_raised`): itself
+                self.failure = e
+                raise
 
         return run
 
@@ -668,10 +704,10 @@ class BatchData(Data):
         def function():
             it = src.open(p.rank, p.size, 0, 0)
             for n in itertools.count():
-                batch = src.next(it, n)
+                batch = src.next(it, src.own(n, p.rank, p.size))
                 if batch is None:
                     return
-                _check(batch, signature, f"the test set's batch {n}")
+                _check(batch, signature, f"the test set's batch {src.own(n, p.rank, p.size)}")
                 yield batch
 
         gen = indexed if isinstance(src, _Indexed) else function
@@ -688,7 +724,8 @@ def _signature_of(batches, name):
         return _signature(batches)
     except (ValueError, TypeError) as e:
         raise HvdtrainError(
-            f"{name}'s batches are not alike: {_what(e)}; make every batch the same structure"
+            f"{name}'s batches are not alike: {one_line(e, named=True, whole=True, most=300)}; "
+            "make every batch the same structure"
         ) from None
 
 

@@ -14,20 +14,16 @@ and is then launched with, for example::
 import hashlib
 import logging
 import os
-import re
 import socket
 import sys
-import sysconfig
-import traceback
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, tuning, watchdog
-from hvdtrain.errors import HvdtrainError, kind_of, note_ending, write_line
+from hvdtrain import compat, logs, tuning, watchdog
+from hvdtrain.errors import HvdtrainError, horovod_up, kind_of
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
-from hvdtrain.tracebacks import printed_by
 
 __all__ = [
     "init",
@@ -156,7 +152,8 @@ def init(
     before = tuning.thread_ids()
     hvd.init(comm=comm)
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
-    _name_failures(hvd.rank())
+    horovod_up(hvd.rank(), watchdog.last_activity)  # the hook of uncaught errors names the rank
+    logs.keras_set_up_on_rank0(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
             f"Invalid value for `comm`: received {kind_of(comm)} while Horovod runs on "
@@ -188,119 +185,6 @@ def init(
             pass
     _pinned = index
     return index
-
-
-# An error that says another rank (or its host) went away: Horovod's own shutdown, or the
-# transport's connection to a peer breaking (Gloo's TCP pair, Open MPI's TCP transport).
-_PEER_LOST = re.compile(
-    r"Connection (?:reset|closed) by peer|Broken pipe|pair\.cc:\d+\] (?:Read|Write) error"
-)
-
-_PEER_SILENT = re.compile(r"Timed out waiting \d+ms for (?:recv|send) op|Application timeout")
-
-
-def _because_of_another_rank(text):
-    """What an error's `text` says happened if this rank only failed because another rank
-    did (a phrase for the one line it prints), else None."""
-    if "Horovod has been shut down" in text:
-        return "Horovod was shut down"
-    if _PEER_LOST.search(text):
-        return "the connection to another rank broke"
-    if _PEER_SILENT.search(text):
-        return "nothing came from another rank within HOROVOD_GLOO_TIMEOUT_SECONDS"
-    return None
-
-
-def _name_failures(rank):
-    """After an uncaught exception's traceback, prints one line naming this rank (and, with
-    a `WatchdogCallback`, what it was doing): not every launcher tags output with ranks.
-    A rank that only failed because another one did (Horovod was shut down) prints the
-    line alone: the traceback that matters is the other rank's."""
-    previous = sys.excepthook
-    if getattr(previous, "hvdtrain_rank", None) is not None:
-        previous.hvdtrain_rank = rank
-        return
-
-    def hook(kind, value, tb):
-        consequence = _because_of_another_rank(str(value))
-        plain = issubclass(kind, (KeyboardInterrupt, HvdtrainError))  # no traceback of yours
-        yours = None if consequence or plain else your_frame(tb)
-        same = None if consequence or plain else printed_by(kind, value, tb, hook.hvdtrain_rank)
-        printed = f"; its traceback is the same as rank {same}'s" if same is not None else ""
-        if yours:
-            where = f"{yours.name} ({os.path.basename(yours.filename)}:{yours.lineno})"
-            below = "" if printed else " below"
-            write_line(f"hvdtrain: the error{below} was raised in your code: {where}{printed}")
-        elif printed:
-            write_line(f"hvdtrain: rank {hook.hvdtrain_rank}{printed}")
-        if not consequence and same is None:
-            previous(kind, value, tb)
-        if plain:  # HvdtrainError: its one line is out already
-            return
-        last = watchdog.last_activity()
-        where = f" (last: {last})" if last else ""
-        if consequence:
-            text = (
-                f"stopped: {consequence} because another rank failed, exited or stalled, "
-                "or its host was lost (see its error)"
-            )
-        else:
-            cause = _cause(str(value)).removeprefix(f"{kind.__name__}: ")
-            text = f"failed: {kind.__name__}" + (f": {cause[:300]}" if cause else "")
-        line = f"hvdtrain: rank {hook.hvdtrain_rank} {text}{where}"
-        note_ending(line + "\n")
-        write_line(line)
-
-    hook.hvdtrain_rank = rank
-    sys.excepthook = hook
-
-
-_LIBRARIES = None
-
-
-def your_frame(tb):
-    """The innermost frame of traceback `tb` in the user's code (a `FrameSummary`), if the
-    error came from there: a function of the user's (not the standard library's, an
-    installed package's, hvdtrain's or code TensorFlow generated) that raised it or called
-    the library that did, but not one that called hvdtrain (`hvdtrain.fit` from `main`), nor
-    a script's top level."""
-    global _LIBRARIES
-    if _LIBRARIES is None:
-        paths = sysconfig.get_paths()
-        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
-    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
-    deeper = None
-    for frame in reversed(traceback.extract_tb(tb)):
-        if frame.filename.startswith("<"):  # code made at run time (a dataclass's __init__)
-            continue
-        path = os.path.realpath(frame.filename)
-        library = path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
-        if not library:
-            called_us = deeper is not None and deeper.startswith(ours)
-            return None if called_us or frame.name == "<module>" else frame
-        deeper = path
-    return None
-
-
-def _cause(message):
-    """The line of an exception's message that names what went wrong (pure): its first,
-    but for TensorFlow's op errors ("Graph execution error:", where the node was defined,
-    the cause, then the node), the cause."""
-    lines = [line.strip() for line in message.splitlines()]
-    if lines and lines[0] == "in user code:":  # a trace-time error: the frames, then it
-        return next((line for line in reversed(lines) if line), "")
-    if lines and lines[0] == "Graph execution error:":
-        causes = [
-            line
-            for line in message.splitlines()
-            if line.strip()
-            and not line[0].isspace()
-            and not line.startswith(("Graph execution", "Detected at node"))
-        ]
-        if causes:
-            return causes[-1].strip()
-    return next((line for line in lines if line), "")
 
 
 def is_main_process():

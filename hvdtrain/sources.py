@@ -48,7 +48,7 @@ def choose_source(data_dir, cache_path, download, fallback, prog):
             download()
         except Exception as e:  # offline, refused, damaged: fall back below
             # The whole reason, on one line (Keras wraps the URL error in a long message).
-            reason = one_line(" ".join(str(e).split())) if str(e).strip() else type(e).__name__
+            reason = one_line(e, whole=True)
             write_line(f"{prog}: download failed ({reason}); using {fallback}")
             ok = False
         finally:

@@ -2,7 +2,7 @@
 
 When every rank hits the same bug (a typo in `train_step`, a parse function that fails on
 every file), each would print the same traceback, and a launcher interleaves them line by
-line. hvdtrain's hook of uncaught errors (`hvdtrain.runtime`) asks `first_to_raise` first:
+line. hvdtrain's hook of uncaught errors (`hvdtrain.errors`) asks `first_to_raise` first:
 the first rank of the job on this host publishes its traceback in a small file (in
 `hvdtrain-<uid>` of the temp folder, mode 0700) and prints it; a later rank whose
 traceback is the same (`same_text`) prints one line naming that rank instead. A different
@@ -17,11 +17,12 @@ import hashlib
 import os
 import re
 import stat
+import sysconfig
 import tempfile
 import time
 import traceback
 
-__all__ = ["first_to_raise", "job_key", "printed_by", "same_text"]
+__all__ = ["first_to_raise", "job_key", "printed_by", "same_text", "traced_frame", "your_frame"]
 
 # What differs from process to process for the same code: the names of the files that
 # TensorFlow's autograph writes, object addresses.
@@ -106,3 +107,52 @@ def _remove_stale(folder, keep):
                 os.unlink(path)
         except OSError:
             pass
+
+
+_LIBRARIES = None
+# A frame that TensorFlow's error while tracing lists in its message.
+_TRACED = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _library(path):
+    """Whether `path` (real) is the standard library's, an installed package's, hvdtrain's
+    or code TensorFlow generated."""
+    global _LIBRARIES
+    if _LIBRARIES is None:
+        paths = sysconfig.get_paths()
+        roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        _LIBRARIES = tuple(os.path.realpath(r) + os.sep for r in roots)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    return path.startswith((*_LIBRARIES, ours)) or "__autograph_generated_file" in path
+
+
+def your_frame(tb):
+    """The innermost frame of traceback `tb` in the user's code (a `FrameSummary`), if the
+    error came from there: a function of the user's (not the standard library's, an
+    installed package's, hvdtrain's or code TensorFlow generated) that raised it or called
+    the library that did, but not one that called hvdtrain (`hvdtrain.fit` from `main`), nor
+    a script's top level."""
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    deeper = None
+    for frame in reversed(traceback.extract_tb(tb)):
+        if frame.filename.startswith("<"):  # code made at run time (a dataclass's __init__)
+            continue
+        path = os.path.realpath(frame.filename)
+        if not _library(path):
+            called_us = deeper is not None and deeper.startswith(ours)
+            return None if called_us or frame.name == "<module>" else frame
+        deeper = path
+    return None
+
+
+def traced_frame(message):
+    """The innermost frame of the user's code that TensorFlow's error while tracing lists
+    in its `message` ("in user code:", the frames, then the error: a parse function that
+    tf.data maps, a `train_map`, a `train_step`), or None. Its traceback holds only the code
+    TensorFlow generated from the user's."""
+    if not message.startswith("in user code:"):
+        return None
+    for path, line, name in reversed(_TRACED.findall(message)):
+        if not _library(os.path.realpath(path)):
+            return traceback.FrameSummary(path, int(line), name, lookup_line=False)
+    return None

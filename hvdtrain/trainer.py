@@ -62,7 +62,7 @@ from hvdtrain import (
 from hvdtrain import callbacks as cb
 from hvdtrain import data as datamod
 from hvdtrain.checkpoint import CheckpointManager
-from hvdtrain.errors import HvdtrainError, OutputsNotWritten, TrainingDiverged
+from hvdtrain.errors import HvdtrainError, OutputsNotWritten, TrainingDiverged, one_line
 from hvdtrain.flags import make_config
 from hvdtrain.forms import as_data
 from hvdtrain.logs import get_logger
@@ -543,12 +543,12 @@ class Run:
                 out["exported_model"] = exported
                 written.append(f"the model {out['exported_model']}")
             except (OSError, ValueError, RuntimeError) as e:
-                failed.append(f"the model {path} ({_reason(e)})")
+                failed.append(f"the model {path} ({one_line(e)})")
         try:
             if self.write_metrics(out):
                 written.append(f"the metrics {self.cfg.metrics_json}")
         except (OSError, ValueError, TypeError) as e:
-            failed.append(f"the metrics {self.cfg.metrics_json} ({_reason(e)})")
+            failed.append(f"the metrics {self.cfg.metrics_json} ({one_line(e)})")
         if failed:
             kept = f"; the trained weights are in {b.manager.directory}" if b.manager else ""
             raise OutputsNotWritten(
@@ -562,9 +562,6 @@ class Run:
 
 
 # -- helpers ---------------------------------------------------------------------------
-def _reason(error):
-    """An OSError's reason (`No space left on device`), else the error's first line."""
-    return getattr(error, "strerror", None) or (str(error).splitlines() or [repr(error)])[0]
 
 
 def _explained(error, rank, data=None):

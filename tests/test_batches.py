@@ -7,11 +7,15 @@ exact. Bitwise resume after a kill: tests/test_recipe.py (`batches`); every othe
 tests/test_settings_matrix.py (`batches`)."""
 
 import json
+import re
+import subprocess
+import sys
+import traceback
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import run_job, worker
+from conftest import BIN, job_env, run_job, worker
 from helpers.image_folders import class_folders
 
 import hvdtrain
@@ -210,7 +214,7 @@ def test_fit_takes_the_object_unchanged_with_its_test_set(version):
 
 
 BAD = {  # what the data does wrong -> words the one line must hold
-    "raises": ("Ids[3] raised KeyError: 'no file'", None),
+    "raises": ("Ids[3] raised KeyError: 'no file' in __getitem__ (test_batches.py:", None),
     "shape": ("Ids[3] is", "give every batch the same dtypes and shapes"),
     "dtype": ("float64", "give every batch the same dtypes and shapes"),
     "structure": ("Ids[3]: expected a tuple (x,), (x, y)", "received a tuple of 4"),
@@ -248,6 +252,52 @@ def test_bad_batches_are_one_line_naming_the_batch(case, version):
     first, fix = BAD[case]
     assert first in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert fix is None or fix in str(e.value)
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_a_bug_in_your_getitem_is_itself_naming_the_batch_and_your_line(version):
+    """A typo in `__getitem__` (batch 3, read while training) is not a one-line user error:
+    the NameError itself comes out of `fit`, with its traceback, marked with the batch and
+    the place, for the hook of uncaught errors (exit 1, its traceback once per host)."""
+    k = _keras(version)
+    base = tf.keras.utils.Sequence if version == "2" else k.utils.PyDataset
+
+    class Ids(base):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            x = np.ones((4, 2), "float32") * (scale if i == 3 else 1)  # noqa: F821
+            return x, np.zeros(4, "float32")
+
+    with pytest.raises(NameError) as e:
+        hvdtrain.fit(lambda: _model(k), Ids(), epochs=1)
+    assert e.value.hvdtrain_what == "Ids[3]"
+    assert e.value.hvdtrain_where.startswith("__getitem__ (test_batches.py:")
+    assert any(f.name == "__getitem__" for f in traceback.extract_tb(e.value.__traceback__))
+
+
+def test_a_generators_batch_is_named_in_its_own_count():
+    """Rank 1 of 2 takes every 2nd batch of a generator of (): the generator's batch 21 (the
+    rank's 11th) is named 21, as the user counts what the generator yields; a wrong shape
+    too."""
+
+    def typo():
+        for i, batch in enumerate(_batches(200)):
+            if i == 21:
+                raise TypeError("a bug of mine")
+            yield batch
+
+    with pytest.raises(TypeError) as e:
+        prepared(BatchData(typo), 1)
+    assert e.value.hvdtrain_what == "typo's batch 21"
+
+    def shape():
+        for i, (x, y) in enumerate(_batches(200)):
+            yield (np.ones((4, 2), "float32") if i == 21 else x), y
+
+    with pytest.raises(HvdtrainError, match=r"^shape's batch 21 is"):
+        prepared(BatchData(shape), 1)
 
 
 def test_a_generator_that_ends_early_says_how_many_batches_the_epoch_needs():
@@ -335,6 +385,64 @@ def test_a_batch_that_fails_on_one_rank_mid_epoch_ends_the_job_in_one_line(tmp_p
     assert proc.returncode == 2, text[-3000:]
     assert "Traceback" not in text
     assert "Batches[7] raised KeyError: 'no image for batch 7'" in text
+
+
+AGREED = {  # a mistake every rank meets before training -> its flags, status, the one line
+    "typo": (["--form", "sequence", "--bad", "typo"], 1, "an error in the program"),
+    "shape": (["--form", "generator", "--bad", "shape"], 2, "a user error, printed above"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("case", sorted(AGREED))
+def test_a_mistake_in_your_data_under_hvdtrain_run_names_its_line_and_no_innocent_rank(
+    case, backend, tmp_path
+):
+    """A typo in `__getitem__` on batch 0, read by every rank: the line of the typo, its
+    traceback once; a generator's wrong shape: one line naming the batch in the generator's
+    own count. Open MPI's banners are left out, and hvdtrain-run's last line names a rank
+    that printed the error the user reads, or says every rank failed alike."""
+    flags, code, meaning = AGREED[case]
+    proc = subprocess.run(
+        [f"{BIN}/hvdtrain-run", "--backend", backend, "-np", "2", "--", sys.executable, WORKER,
+         tmp_path, "--epochs", "1", *flags],
+        capture_output=True, text=True, timeout=240, env=job_env(),
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == code, text[-4000:]
+    assert "Primary job" not in text and "mpirun detected" not in text, text[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    named = re.fullmatch(
+        rf"hvdtrain-run: (?:every rank failed alike|rank ([01]) on host \S+ failed first): exit "
+        rf"status {code} \({meaning}\); the job was ended",
+        last,
+    )
+    assert named, text[-4000:]
+    if case == "typo":
+        assert text.count("the error below was raised in your code: __getitem__ "
+                          "(python_data.py:") == 1, text[-4000:]  # fmt: skip
+        assert text.count("Traceback (most recent call last):") == 1, text[-4000:]
+        failed = (
+            r"hvdtrain: rank ([01]) failed: Batches\[0\] raised NameError: name "
+            r"'scale_factor' is not defined in __getitem__ \(python_data.py:\d+\)"
+        )
+        ranks = set(re.findall(failed, text))
+        assert ranks and (named.group(1) is None or named.group(1) in ranks), text[-4000:]
+    else:
+        assert "Traceback" not in text, text[-4000:]
+        assert "python_data.py: error: rank 1: <lambda>'s batch 3 is ('float32[32, 4]'" in text
+        assert named.group(1) in (None, "0"), last  # rank 0 printed it
+
+
+def test_keras_prints_its_set_up_lines_on_rank_0_only(images, shared_jobs, tmp_path):
+    """`flow_from_directory` built in a generator function that hvdtrain calls prints
+    `Found 80 images belonging to 2 classes.` on rank 0 alone."""
+    proc = shared_jobs.get(2, "gloo").run_script(
+        [WORKER, tmp_path, "--form", "images-function", "--images", images, "--epochs", "1"]
+    )
+    found = [line for line in proc.stdout.splitlines() if "Found 80 images" in line]
+    assert found and all(line.startswith("[0]") for line in found), proc.stdout[-4000:]
 
 
 @pytest.mark.parametrize("version", ["2", "3"])

@@ -110,6 +110,40 @@ def test_a_whole_script_on_the_pages_trains_on_two_ranks_and_resumes(where, shar
     assert (tmp_path / "ck" / "model.keras").exists()
 
 
+def test_the_fragments_pydataset_line_runs_with_the_pages_own_images(tmp_path, monkeypatch):
+    """your-model.md: the fragment's `Images("images/train", 32, workers=4,
+    use_multiprocessing=True)` takes the `Images` of the page's script above: a Keras 3
+    `PyDataset` (`import keras`: tf.keras is Keras 2 here) that passes Keras's loading
+    options on."""
+    script = BLOCKS["docs/your-model.md#3"]
+    kept = [n for n in ast.parse(script).body if isinstance(n, ast.Import | ast.ImportFrom)]
+    kept += [n for n in ast.parse(script).body if isinstance(n, ast.ClassDef)]
+    namespace = {}
+    exec(compile(ast.Module(kept, []), "your-model.md#3", "exec"), namespace)
+    line = next(
+        line
+        for line in BLOCKS["docs/your-model.md#4"].splitlines()
+        if line.startswith("train = Images(") and "workers=" in line
+    )
+    _images(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    exec(line, namespace)
+    train = namespace["train"]
+    assert train.workers == 4 and train.use_multiprocessing
+    x, y = train[0]
+    assert x.shape == (32, 28, 28, 1) and y.shape == (32,)
+
+
+def test_exchanging_less_says_which_line_names_the_mode_and_what_bytes_sent_counts():
+    """The mode ends the `training on` line, which comes after the data line; under Adam
+    `bytes_sent` is more than exchanges x bytes_per_exchange (test_exchange.py measures
+    it: the moments are averaged at whole exchanges)."""
+    text = " ".join(open(os.path.join(ROOT, "docs", "exchanging-less.md")).read().split())
+    assert "The first line names the mode" not in text
+    assert "The `training on` line, the one after the data line, ends with the mode" in text
+    assert "it is more than `exchanges` x `bytes_per_exchange`" in text
+
+
 # -- your-model.md: the DatasetData example ------------------------------------------------
 def _page_function(where, name):
     """The source of function `name` defined in the block `where`."""

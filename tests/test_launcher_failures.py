@@ -160,6 +160,63 @@ def test_mpirun_naming_a_rank_that_only_stopped_names_the_one_that_failed():
     )
 
 
+# Open MPI 4.1's banner before MPI_EXIT's when a rank exits non-zero (on this machine).
+MPI_PRIMARY = """\
+--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+"""
+
+
+def test_mpiruns_end_of_job_banners_are_left_out_but_still_read():
+    """The 11 lines after the one line repeat what hvdtrain-run's last line says; another
+    dashed block of mpirun's (a signal) stays."""
+    said = "[1,1]<stderr>:train.py [rank 1]: error: training diverged at step 7\n"
+    shown, f = filtered(said + MPI_PRIMARY + MPI_EXIT)
+    assert shown == said
+    failure = find_failure(f.seen, HOSTS)
+    assert (failure.rank, failure.exit_code) == (1, 3)
+    shown, _ = filtered(said + MPI_PRIMARY + MPI_SIGNAL)
+    assert shown == said + MPI_SIGNAL
+
+
+def _exited(rank, code):
+    return MPI_EXIT.replace("[[40129,1],1]", f"[[40129,1],{rank}]").replace("   3", f"   {code}")
+
+
+def test_an_error_the_ranks_agreed_on_blames_no_rank_that_only_left_after_it():
+    """Rank 0 prints an error every rank agreed on (a `__getitem__` failing on batch 0, a
+    generator's wrong shape); rank 1 leaves after it with its status and exits first: the
+    line says every rank failed alike, under MPI and Gloo."""
+    agreed = "train.py: error: gen's batch 1 is float32[32, 4] where the first batches were\n"
+    gloo = GLOO.replace("137", "2").replace("[0]<stderr>:hvdtrain: rank 0 stopped", "[0]<stderr>:x")
+    for text in (f"[1,0]<stderr>:{agreed}" + _exited(1, 2), f"[0]<stderr>:{agreed}" + gloo):
+        failure = find_failure(text.splitlines(), HOSTS)
+        assert explain(failure, HOSTS) == (
+            "every rank failed alike: exit status 2 (a user error, printed above); the job was "
+            "ended"
+        ), text
+    # An error of one rank's own still names it.
+    own = "[1,1]<stderr>:train.py [rank 1]: error: rank 1's data ran out\n"
+    failure = find_failure((own + _exited(1, 2)).splitlines(), HOSTS)
+    assert explain(failure, HOSTS).startswith("rank 1 on host node2 failed first: exit status 2")
+    # The same traceback on every rank (a typo in `__getitem__`, batch 0): alike; else the
+    # rank mpirun named.
+    failed = "hvdtrain: rank {} failed: Ids[0] raised NameError: name 'sc' is not defined in "
+    failed += "__getitem__ (train.py:9){}\n"
+    both = "".join(
+        f"[1,{r}]<stderr>:" + failed.format(r, tail)
+        for r, tail in (
+            (0, " (last: loading (Ids))"),
+            (1, "; its traceback is the same as rank 0's"),
+        )
+    )
+    for size, expected in ((2, "every rank failed alike: exit status 1"), (3, "rank 1 on host")):
+        failure = find_failure((both + _exited(1, 1)).splitlines(), HOSTS[:size])
+        assert explain(failure, HOSTS).startswith(expected), size
+
+
 def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
     """Rank 0 waited in a step and its watchdog ended it first (status 124): the rank whose
     own watchdog said it was stuck is named; with none (a frozen process), the words say
@@ -380,7 +437,7 @@ def test_the_first_line_names_your_function(tmp_path):
     import sys
 
     from hvdtrain import flags
-    from hvdtrain.runtime import your_frame
+    from hvdtrain.tracebacks import your_frame
 
     def parse(x):
         return int(x)

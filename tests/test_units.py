@@ -176,16 +176,16 @@ def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, 
     ],
 )
 def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expected):
-    from hvdtrain.runtime import _because_of_another_rank
+    from hvdtrain.errors import because_of_another_rank
 
-    assert _because_of_another_rank(text) == expected
+    assert because_of_another_rank(text) == expected
 
 
 def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     """TensorFlow's op errors start "Graph execution error:"; the cause is further down."""
     import tensorflow as tf
 
-    from hvdtrain.runtime import _cause
+    from hvdtrain.errors import one_line
 
     @tf.function
     def loss(labels):  # a label out of range for 2 classes, as a user's data may hold
@@ -194,8 +194,8 @@ def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
         loss(tf.constant([0, 1, 6]))
     assert str(raised.value).startswith("Graph execution error:")
-    assert _cause(str(raised.value)).startswith("Received a label value of 6")
-    assert _cause("\nCould not interpret optimizer identifier: adma\n") == (
+    assert one_line(raised.value).startswith("Received a label value of 6")
+    assert one_line(ValueError("\nCould not interpret optimizer identifier: adma\n")) == (
         "Could not interpret optimizer identifier: adma"
     )
 
@@ -206,9 +206,77 @@ def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     with pytest.raises(AttributeError) as raised:
         step(tf.zeros(1))
     assert str(raised.value).startswith("in user code:")
-    cause = _cause(str(raised.value))  # the tensor's class is named as TensorFlow's version has it
+    cause = one_line(raised.value)  # the tensor's class is named as TensorFlow's version has it
     assert cause.startswith("AttributeError: '")
     assert cause.endswith("object has no attribute 'no_such_method'")
+    # Its traceback holds TensorFlow's generated code, not the user's function; the message
+    # names it, and so does the first line of a failed rank (a FileData parse function).
+    from hvdtrain.tracebacks import traced_frame
+
+    frame = traced_frame(str(raised.value))
+    assert frame.name == "step" and frame.filename == __file__ and frame.lineno > 0
+    assert traced_frame("a plain message") is None
+
+
+def test_one_helper_makes_an_error_one_line_in_each_presentation():
+    """`errors.one_line` is the one way: a text keeps all its words (line breaks escaped);
+    an exception gives what went wrong (an OSError's reason, the first line that is not
+    empty, its type's name when it says nothing), or all of it, named or not, cut or not."""
+    import errno
+
+    from hvdtrain.errors import one_line
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/out/model.keras")
+    assert one_line(full) == "No space left on device"
+    assert one_line(full, named=True) == (
+        "OSError: [Errno 28] No space left on device: '/out/model.keras'"
+    )
+    assert one_line(OSError("a reason of mine")) == "a reason of mine"
+    many = ValueError("\n  first words\nsecond\r\nthird\u2028")
+    assert one_line(many) == "first words"
+    assert one_line(many, named=True, whole=True) == "ValueError: first words second third"
+    assert one_line(many, named=True, most=5) == "ValueError: first"
+    assert one_line(ValueError("ValueError: said twice"), named=True) == "ValueError: said twice"
+    assert one_line(KeyError()) == "KeyError" and one_line(ValueError(" \n"), named=True) == (
+        "ValueError"
+    )
+    assert one_line("a file\nname") == "a file\\nname"  # a text: every word, escaped
+
+
+def test_the_hook_of_uncaught_errors_installs_once_and_knows_when_horovod_runs(tmp_path):
+    """`import hvdtrain` installs it, `hvdtrain.init()` tells it the rank (no second hook
+    chained on it): an error in the user's code names the function, the traceback, then
+    the rank's line; an HvdtrainError stays one line, exit 2."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "oops.py"
+    script.write_text(
+        "import sys\n"
+        "import hvdtrain\n"
+        "from hvdtrain import errors\n"
+        "hook = sys.excepthook\n"
+        "errors.report_uncaught()\n"
+        "hvdtrain.init()\n"
+        "errors.report_uncaught()\n"
+        "print('one hook:', sys.excepthook is hook, flush=True)\n"
+        "def load(path):\n"
+        "    raise (hvdtrain.HvdtrainError if path == 'x' else ValueError)(f'no {path}')\n"
+        "load(sys.argv[1])\n"
+    )
+    out = []
+    for arg in ("y", "x"):
+        proc = subprocess.run(
+            [sys.executable, str(script), arg], capture_output=True, text=True, timeout=120
+        )
+        out.append(proc)
+        assert proc.stdout == "one hook: True\n", proc.stdout + proc.stderr
+    lines = out[0].stderr.strip().splitlines()
+    assert out[0].returncode == 1
+    assert lines[0] == "hvdtrain: the error below was raised in your code: load (oops.py:10)"
+    assert lines[1] == "Traceback (most recent call last):" and lines.count(lines[1]) == 1
+    assert lines[-1] == "hvdtrain: rank 0 failed: ValueError: no y"
+    assert out[1].returncode == 2 and out[1].stderr == "oops.py: error: no x\n"
 
 
 def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():

@@ -109,7 +109,9 @@ def mixed_keras(error):
         return None
     names = {"tf_keras": "Keras 2 (tf.keras)", "keras": "Keras 3 (`import keras`)"}
     other = names[(named - {raised_by}).pop()]
-    return _mixing(f"{names[raised_by]} refused an object of {other}: {one_line(error)}")
+    return _mixing(
+        f"{names[raised_by]} refused an object of {other}: {one_line(error, whole=True)}"
+    )
 
 
 def _held(error):

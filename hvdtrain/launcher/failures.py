@@ -109,6 +109,8 @@ class Failure:
     # The rank's watchdog ended it while it waited for the others, none of which said it
     # was stuck (one froze whole).
     waited: bool = False
+    # Every rank failed alike (an error the ranks agreed on, or the same traceback on each).
+    alike: bool = False
 
     @property
     def exit_code(self):
@@ -127,6 +129,15 @@ _TAGGED = re.compile(r"(\[(?:\d+,)?(\d+)\]<stderr>:)(.*)", re.DOTALL)  # [job,ra
 _TRACEBACK_STARTS = ("Traceback (most recent call last):", "hvdtrain: the error below")
 _TRACEBACK_ENDS = re.compile(r"hvdtrain: rank \d+ (failed|stopped):")
 REPEAT_HOLD_SECONDS = 5  # a rank's traceback without hvdtrain's last line: shown after this
+# Open MPI's end-of-job banners, each between two dashed lines: they repeat, in 4 and 7
+# lines, what hvdtrain-run's own last line says (`mpirun --quiet` would drop them, and with
+# them the rank that exited first, which `find_failure` reads).
+_RULE = re.compile(r"-{20,}\s*")
+_BANNERS = (
+    "Primary job  terminated normally, but",
+    "Primary job terminated normally, but",
+    "mpirun detected that one or more processes exited with non-zero status",
+)
 
 
 class _Repeats:
@@ -194,13 +205,31 @@ class OutputFilter:
         self._tail = 0  # the lines after the Gloo error that belong to it
         self.elastic, self.cooldown, self.quiet = elastic, cooldown, quiet
         self._repeats = _Repeats()
+        self._rule = None  # a dashed line of mpirun's, until the next says what it opens
+        self._banner = False  # inside one of mpirun's end-of-job banners (`_BANNERS`)
 
     def feed(self, line):
         """The lines to print now for `line` (read from the launcher)."""
         if self.quiet and is_startup_noise(line):
             return []
-        self.seen.append(line)
+        self.seen.append(line)  # a banner too: `find_failure` reads it
         line = without_marker(line)
+        out = []
+        if self._rule is not None:
+            rule, self._rule = self._rule, None
+            if line.startswith(_BANNERS):
+                self._banner = True
+                return []
+            out = [rule]
+        if self._banner:
+            self._banner = not _RULE.fullmatch(line)
+            return []
+        if _RULE.fullmatch(line):
+            self._rule = line
+            return out
+        return out + self._passed(line)
+
+    def _passed(self, line):
         if self.elastic and line.startswith(("INFO:", "DEBUG:")):
             host = _BLACKLIST.search(line)
             return [f"hvdtrain-run: {blacklisted(host.group(1), self.cooldown)}\n"] if host else []
@@ -226,7 +255,8 @@ class OutputFilter:
     def flush(self):
         """Whatever is held back when the launcher's output ends."""
         held, self._held = self._held, []
-        return held + self._repeats.flush()
+        rule, self._rule = [self._rule] if self._rule else [], None
+        return held + self._repeats.flush() + rule
 
 
 def find_failure(lines, hosts=()):
@@ -254,6 +284,7 @@ def find_failure(lines, hosts=()):
             )
             found = _first_to_fail(found, text)
             found = _stuck_not_waiting(found, text)
+            found = _whose_words(found, lines, len(hosts) or None)
     if found and not found.stalled:
         found.said = ": error: " in text
     if found and found.host is None and found.rank is not None and found.rank < len(hosts):
@@ -275,6 +306,38 @@ def _first_to_fail(found, text):
     if len(failed) == 1:
         return Failure(failed.pop(), code=1)
     found.consequence = True
+    return found
+
+
+_ERROR_LINE = re.compile(r"\S+(?: \[rank (\d+)\])?: error: (.*)", re.DOTALL)
+_FAILED_LINE = re.compile(
+    r"hvdtrain: rank (\d+) failed: (.*?)(?:; its traceback is the same as rank \d+'s)?"
+    r"(?: \(last: .*\))?\s*",
+    re.DOTALL,
+)
+
+
+def _whose_words(found, lines, size=None):
+    """The launcher names the first rank to exit, which may be one that only exited under
+    hvdtrain's error protocol (an error every rank agreed on is printed by rank 0 alone;
+    the others leave after it, with its status): then every rank failed alike. So did they
+    when every rank (of `size`, where known) printed the same `failed:` line."""
+    if found.consequence or found.code == STALLED:
+        return found
+    said, failed = {}, {}
+    for line in lines:
+        tagged = _TAGGED.fullmatch(line)
+        body = tagged.group(3) if tagged else line
+        error, fail = _ERROR_LINE.fullmatch(body.strip()), _FAILED_LINE.fullmatch(body.strip())
+        if error:  # `prog [rank N]: error: ...`; rank 0 names none
+            rank = error.group(1) or (tagged.group(2) if tagged else 0)
+            said.setdefault(int(rank), error.group(2))
+        elif fail:
+            failed.setdefault(int(fail.group(1)), fail.group(2))
+    agreed = list(said) == [0] and found.rank not in said and found.code in (2, 3, 4)
+    same = len(failed) > 1 and len(set(failed.values())) == 1 and found.rank in failed
+    if agreed or (same and len(failed) == (size or len(failed))):
+        found.alike = True
     return found
 
 
@@ -337,6 +400,9 @@ def explain(failure, hosts=()):
             "process, a host that stopped answering); its line above says where it waited; "
             "the job was ended"
         )
+    if failure.alike:
+        meaning = EXIT_CODES.get(code, "see its output above")
+        return f"every rank failed alike: exit status {code} ({meaning}); the job was ended"
     if failure.consequence:
         return (
             f"{who} exited first (exit status {code}), stopped because another rank ended or "

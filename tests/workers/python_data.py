@@ -7,8 +7,9 @@ them, for tests/test_batches.py; each rank writes OUT/rank<r>.json with what it 
 pydataset: a Keras 3 `keras.utils.PyDataset` (--workers N, --processes), the model Keras 3's;
 images: ImageDataGenerator(...).flow_from_directory(--images DIR) with random transforms
 (Keras 2); generator: a generator function of (); sharded: one of (rank, size); object: a
-generator object with steps_per_epoch. Each with a test set of its kind. --bad CASE: one of
-the mistakes of tests/test_batches.py.
+generator object with steps_per_epoch; images-function: a generator function that builds
+flow_from_directory itself. Each with a test set of its kind (images-function: none).
+--bad CASE: one of the mistakes of tests/test_batches.py.
 """
 
 import json
@@ -53,6 +54,8 @@ def batches_class(base, out, bad=None):
         def __getitem__(self, i):
             if bad == "raises" and self.name == "train" and i == 7:
                 raise KeyError(f"no image for batch {i}")
+            if bad == "typo" and self.name == "train" and i == 0:  # read by every rank
+                return scale_factor  # noqa: F821
             s = slice(i * self.batch, (i + 1) * self.batch)
             x = self.x[s] + np.random.normal(0, 0.01, size=self.x[s].shape).astype("float32")
             if bad == "shape" and i == 5:
@@ -71,7 +74,7 @@ def batches_class(base, out, bad=None):
     return Batches
 
 
-def generators(form, out):
+def generators(form, out, bad=None):
     x, y = samples(N, 0)
     xt, yt = samples(TEST, 1)
 
@@ -79,6 +82,9 @@ def generators(form, out):
         for i in range(rank_ * 32, len(xs) - 31, 32 * size):
             with open(os.path.join(out, f"loads-{rank()}.txt"), "a") as f:
                 f.write(f"{name} 0 {i // 32}\n")
+            if bad == "shape" and name == "train" and i == 3 * 32:  # rank 1's 2nd batch of 2 ranks
+                yield xs[i : i + 32, :4], ys[i : i + 32]
+                continue
             yield xs[i : i + 32], ys[i : i + 32]
         if name == "test":  # the short last batch of the test set
             rest = len(xs) - len(xs) % 32
@@ -98,6 +104,22 @@ def generators(form, out):
             yield from batches(x, y)
 
     return endless(), (lambda: batches(xt, yt, name="test"))
+
+
+def images_function(folder):
+    """A generator function of (rank, size) that builds ImageDataGenerator's iterator itself:
+    Keras prints `Found 80 images belonging to 2 classes.` at each call, on rank 0 only."""
+    from tensorflow.keras.preprocessing.image import ImageDataGenerator
+
+    def batches(rank_, size):
+        it = ImageDataGenerator(rescale=1 / 255).flow_from_directory(
+            os.path.join(folder, "train"), target_size=(16, 16), batch_size=8,
+            class_mode="binary", shuffle=False,
+        )  # fmt: skip
+        for i in range(rank_, len(it), size):
+            yield it[i]
+
+    return batches
 
 
 def images(folder, out):
@@ -167,11 +189,13 @@ def main():
             data = (cls(N, 32, 0, "train"), cls(TEST, 50, 1, "test"))
         elif args.form == "images":
             data = images(args.images, args.out)
+        elif args.form == "images-function":
+            data = images_function(args.images)
         else:
-            train, test = generators(args.form, args.out)
+            train, test = generators(args.form, args.out, args.bad)
             steps = {"steps_per_epoch": 15} if args.form == "object" else {}
             data = hvdtrain.BatchData(train, test=test, **steps)
-    inputs = (16, 16, 3) if args.form == "images" else (FEATURES,)
+    inputs = (16, 16, 3) if args.form.startswith("images") else (FEATURES,)
     result = hvdtrain.fit(lambda: build(keras, inputs), data, args)
     train = data[0] if isinstance(data, tuple) else None
     ends = getattr(train, "ends", None)
