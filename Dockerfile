@@ -93,12 +93,14 @@ RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir --no-deps -c /tmp/constraints.txt "tf-keras==${TENSORFLOW_VERSION}" \
     && rm /tmp/constraints.txt
 
-# Horovod with TensorFlow, Gloo, MPI (and NCCL on GPU), built by the host's script, which applies
-# the patch and fails the build unless Horovod has them all. NCCL is pip's (the wheel ships
-# headers and libnccl.so.2; the link name is added for the build). No GPU or driver exists at
+# Horovod with TensorFlow, Gloo, MPI (and NCCL on GPU), built as a wheel by the host's script
+# (docs/horovod-wheel.md; its cache stays in this stage), which applies the patches and fails
+# the build unless Horovod has them all. NCCL is pip's (the wheel ships headers and
+# libnccl.so.2; the link name is added for the build). No GPU or driver exists at
 # build time: like Horovod's own images, the CUDA stub libcuda is in the loader cache for the
 # build only.
-COPY launch/install_horovod.sh launch/horovod-0.28.1.patch /opt/hvdtrain/launch/
+COPY launch/install_horovod.sh launch/horovod_wheel.py /opt/hvdtrain/launch/
+COPY launch/horovod-patches /opt/hvdtrain/launch/horovod-patches/
 RUN if [ -n "$HOROVOD_GPU_OPERATIONS" ]; then \
         nccl="$(python -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')" \
         && ln -sf libnccl.so.2 "$nccl/lib/libnccl.so" \

@@ -6,6 +6,7 @@
 # A second run only checks the installation (seconds): launch/setup_host.sh keeps a stamp.
 #   TF_VERSION=2.15.1 make test   # the 2023 stack (TensorFlow 2.15.1, Python 3.11) in .venv-tf2.15.1
 #   PYTHON=python3.12 make test   # that interpreter rather than the newest fitting one
+#   make horovod-wheel WHEEL_DIR=dist   # the patched Horovod wheel alone (docs/horovod-wheel.md)
 
 TF_VERSION ?= 2.21.0
 VENV   ?= $(if $(filter 2.21.0,$(TF_VERSION)),.venv,.venv-tf$(TF_VERSION))
@@ -19,13 +20,19 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test train test test-slow test-fast test-gpu-image lint docs docs-serve clean image image-gpu
+.PHONY: setup setup-test horovod-wheel train test test-slow test-fast test-gpu-image lint docs docs-serve clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
 
 setup-test:
 	@launch/setup_host.sh --test
+
+# The patched Horovod as a wheel in WHEEL_DIR, for any environment with this TensorFlow and
+# Python (from the per-user cache, or built once: launch/install_horovod.sh).
+WHEEL_DIR ?= dist
+horovod-wheel: setup
+	@PYTHON=$(VENV)/bin/python WHEEL_DIR=$(WHEEL_DIR) launch/install_horovod.sh
 
 train: setup
 	horovodrun -np $(NP) -H localhost:$(NP) python -m hvdtrain.mnist --epochs $(EPOCHS) \

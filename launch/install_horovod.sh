@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Build Horovod 0.28.1 from its PyPI sdist, with hvdtrain's patch (launch/horovod-0.28.1.patch),
-# against the TensorFlow already installed in $PYTHON's environment: TensorFlow, Gloo and MPI
-# (and NCCL when HOROVOD_GPU_OPERATIONS=NCCL is set). Shared by the host set-up
+# Install Horovod 0.28.1 with hvdtrain's patch series (launch/horovod-patches/, applied in
+# order) into $PYTHON's environment, built against the TensorFlow installed there: TensorFlow,
+# Gloo and MPI (and NCCL when HOROVOD_GPU_OPERATIONS=NCCL is set). Shared by the host set-up
 # (launch/setup_host.sh) and the Dockerfile.
 #
 #   PYTHON=.venv/bin/python launch/install_horovod.sh
+#   PYTHON=.venv/bin/python WHEEL_DIR=dist launch/install_horovod.sh   # also the wheel into dist/
+#                                                                     # (make horovod-wheel)
 #
-# Steps: download the sdist (pip, no build), check its SHA-256, check that every hunk of the
-# patch applies exactly (`patch --dry-run --fuzz=0`: a clear error otherwise), apply it, build
-# (`--no-build-isolation`, so against this TensorFlow), then require TensorFlow, Gloo and MPI
-# (and NCCL if asked) in the build. Skips everything when this patched version is already
-# built with them. The patch is needed from TensorFlow 2.16 on and harmless before.
+# The build is a wheel, made once per key (Horovod's version, the patches, TensorFlow, Python,
+# MPI, GPU operations: launch/horovod_wheel.py) and kept in a per-user cache,
+# HVDTRAIN_WHEEL_CACHE (default ${XDG_CACHE_HOME:-~/.cache}/hvdtrain/wheels/<key>/, with its
+# SHA-256 beside it). A set-up whose key is cached installs that wheel (seconds); a cached
+# wheel that is damaged or not this key's, or whose Horovod then lacks TensorFlow, Gloo or MPI,
+# is named in one line and built again, never used. HVDTRAIN_WHEEL_NO_BUILD=1: install from
+# the cache or fail, never build.
+#
+# A build: download the sdist (pip, no build), check its SHA-256, check that every patch
+# applies exactly (`patch --dry-run --fuzz=0`: a clear error otherwise), apply them, give the
+# source the key's version (0.28.1+hvdtrain.<short key>), `pip wheel` it (no build isolation,
+# so against this TensorFlow), install it, then require TensorFlow, Gloo and MPI (and NCCL if
+# asked) in the build before the wheel goes into the cache. Skips everything when this
+# environment already has the key's Horovod with them. The patches are needed from
+# TensorFlow 2.16 on and harmless before.
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -31,12 +43,13 @@ esac
 HOROVOD_VERSION=0.28.1
 SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-patch_file="$here/horovod-$HOROVOD_VERSION.patch"
-# The build records the patch it carries; a changed patch means a rebuild.
-PATCH_SHA256=$(sha256sum "$patch_file" | cut -d' ' -f1)
-export PATCH_SHA256
+patches=("$here"/horovod-patches/*.patch)  # in order: 0001-..., 0002-...
+[ -f "${patches[0]}" ] || { echo "install_horovod: error: no patches in $here/horovod-patches" >&2; exit 1; }
+cache=${HVDTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain/wheels}
 bindir=$(cd "$(dirname "$PYTHON")" && pwd)
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
+wheel_tool() { "$PYTHON" "$here/horovod_wheel.py" "$@"; }
+version=$(wheel_tool version "${patches[@]}")  # 0.28.1+hvdtrain.<short key>
 
 # What was really built: frameworks by their extension libraries (horovodrun --check-build
 # only tries `import horovod.torch`, which can succeed with no PyTorch extension built),
@@ -62,9 +75,6 @@ for line in out.splitlines():
     found = re.match(r"\s*\[X\]\s+(\S+)", line)
     if found and section != "Available Frameworks:":
         names.append(found.group(1))
-marker = os.path.join(root, ".hvdtrain-patch")
-if os.path.exists(marker) and open(marker).read().strip() == os.environ["PATCH_SHA256"]:
-    names.append("patched")
 print(" ".join(dict.fromkeys(names)))
 EOF
 }
@@ -76,12 +86,50 @@ has_all() {  # has_all "built list" name...: every name is in the list
   shift
   for name in "$@"; do [[ "$list" == *" $name "* ]] || return 1; done
 }
+installed() { "$PYTHON" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true; }
+export_wheel() {  # the cached wheel into WHEEL_DIR, when asked
+  [ -n "${WHEEL_DIR:-}" ] || return 0
+  mkdir -p "$WHEEL_DIR"
+  cp "$1" "$WHEEL_DIR/"
+  echo "install_horovod: wrote $WHEEL_DIR/$(basename "$1")"
+}
+install_wheel() {
+  "$PYTHON" -m pip install -q --no-deps --force-reinstall "$1" 2> >(grep -v "^WARNING: Location" >&2)
+  # Horovod's own runtime dependencies (cloudpickle, psutil, pyyaml, packaging, cffi).
+  local constraints=()  # the stack's pins (setup_host.sh passes them), else the project's
+  CONSTRAINTS=${CONSTRAINTS:-$here/../constraints.txt}
+  [ -f "$CONSTRAINTS" ] && constraints=(-c "$CONSTRAINTS")
+  "$PYTHON" -m pip install -q "${constraints[@]}" cloudpickle psutil pyyaml packaging cffi \
+    2> >(grep -v "^WARNING: Location" >&2)
+}
 
-installed=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
-if [ "$installed" = "$HOROVOD_VERSION" ] && has_all "$(built || true)" "${wanted[@]}" patched; then
-  echo "install_horovod: Horovod $HOROVOD_VERSION (with $(basename "$patch_file")) already built with ${wanted[*]}; skipping"
-  exit 0
+if [ "$(installed)" = "$version" ] && has_all "$(built || true)" "${wanted[@]}"; then
+  if [ -z "${WHEEL_DIR:-}" ]; then
+    echo "install_horovod: Horovod $version already built with ${wanted[*]}; skipping"
+    exit 0
+  fi
+  if cached=$(wheel_tool find "$cache" "${patches[@]}"); then
+    echo "install_horovod: Horovod $version already built with ${wanted[*]}; its wheel from $cache"
+    export_wheel "$cached"
+    exit 0
+  fi
 fi
+
+# From the cache: the wheel is checked (hash, zip, version, key) before, and Horovod after.
+if cached=$(wheel_tool find "$cache" "${patches[@]}"); then
+  echo "install_horovod: installing Horovod $version from the cache ($cached)"
+  install_wheel "$cached"
+  have=$(built || true)
+  if [ "$(installed)" = "$version" ] && has_all "$have" "${wanted[@]}"; then
+    echo "install_horovod: Horovod $version installed from the cache with: $have (no build)"
+    export_wheel "$cached"
+    exit 0
+  fi
+  echo "install_horovod: the cached wheel $cached is not used: installed, Horovod $(installed) has only '$have' of ${wanted[*]}; building again" >&2
+  wheel_tool drop "$cache" "${patches[@]}"
+fi
+[ "${HVDTRAIN_WHEEL_NO_BUILD:-0}" = 1 ] \
+  && die "no usable wheel for Horovod $version in $cache, and HVDTRAIN_WHEEL_NO_BUILD=1"
 
 command -v patch >/dev/null || die "the 'patch' program is missing; install it (apt-get install patch)"
 work=$(mktemp -d)
@@ -93,17 +141,22 @@ sdist="$work/horovod-$HOROVOD_VERSION.tar.gz"
 [ -f "$sdist" ] || die "pip did not download $sdist"
 sum=$(sha256sum "$sdist" | cut -d' ' -f1)
 [ "$sum" = "$SDIST_SHA256" ] \
-  || die "the Horovod $HOROVOD_VERSION sdist has SHA-256 $sum; expected $SDIST_SHA256 (the file the patch was made for)"
+  || die "the Horovod $HOROVOD_VERSION sdist has SHA-256 $sum; expected $SDIST_SHA256 (the file the patches were made for)"
 tar -xzf "$sdist" -C "$work"
 src="$work/horovod-$HOROVOD_VERSION"
-if ! check=$(patch -d "$src" -p1 --fuzz=0 --forward --batch --dry-run <"$patch_file" 2>&1); then
-  echo "$check" >&2
-  die "$patch_file does not apply to this Horovod sdist (a hunk above FAILED); nothing was changed"
-fi
-patch -d "$src" -p1 --fuzz=0 --forward --batch --quiet <"$patch_file"
-echo "install_horovod: applied $(grep -c '^@@' "$patch_file") hunks of $(basename "$patch_file")"
+hunks=0
+for patch_file in "${patches[@]}"; do
+  if ! check=$(patch -d "$src" -p1 --fuzz=0 --forward --batch --dry-run <"$patch_file" 2>&1); then
+    echo "$check" >&2
+    die "$patch_file does not apply to this Horovod sdist after the ones before it (a hunk above FAILED); nothing was installed"
+  fi
+  patch -d "$src" -p1 --fuzz=0 --forward --batch --quiet <"$patch_file"
+  hunks=$((hunks + $(grep -c '^@@' "$patch_file")))
+done
+echo "install_horovod: applied ${#patches[@]} patches ($hunks hunks) of launch/horovod-patches"
+wheel_tool stamp "$src" "${patches[@]}"
 
-echo "install_horovod: building Horovod $HOROVOD_VERSION from source (about 8 minutes on 2 cores)"
+echo "install_horovod: building the Horovod $version wheel from source (about 8 minutes on 2 cores)"
 export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
 export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
 export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}
@@ -111,18 +164,16 @@ export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}
 export CMAKE_POLICY_VERSION_MINIMUM=3.5
 # cmake from pip lands in the environment's bin; the build needs it on PATH.
 export PATH="$bindir:$PATH"
-constraints=()  # the stack's pins (setup_host.sh passes them), else the project's
-CONSTRAINTS=${CONSTRAINTS:-$here/../constraints.txt}
-[ -f "$CONSTRAINTS" ] && constraints=(-c "$CONSTRAINTS")
-"$PYTHON" -m pip install -q --no-build-isolation --no-cache-dir --force-reinstall --no-deps "$src"
-# Horovod's own runtime dependencies (cloudpickle, psutil, pyyaml, packaging, cffi).
-"$PYTHON" -m pip install -q "${constraints[@]}" cloudpickle psutil pyyaml packaging cffi
-"$PYTHON" -c 'import importlib.util, os
-root = importlib.util.find_spec("horovod").submodule_search_locations[0]
-open(os.path.join(root, ".hvdtrain-patch"), "w").write(os.environ["PATCH_SHA256"] + "\n")'
-
+"$PYTHON" -m pip wheel -q --no-build-isolation --no-cache-dir --no-deps -w "$work/dist" "$src" \
+  2> >(grep -v "^WARNING: Location" >&2)
+wheel=$(ls "$work"/dist/horovod-*.whl 2>/dev/null | head -1)
+[ -n "$wheel" ] || die "pip wheel made no Horovod wheel; rerun with 'pip wheel -v' to see the compiler's error"
+install_wheel "$wheel"
 have=$(built || true)
-echo "install_horovod: Horovod $HOROVOD_VERSION built with: ${have/ patched/} (frameworks by their extension libraries)"
-if ! has_all "$have" "${wanted[@]}" patched; then
-  die "Horovod was installed but lacks one of ${wanted[*]}; rerun with 'pip install -v' to see the compiler's error"
+echo "install_horovod: Horovod $(installed) built with: $have (frameworks by their extension libraries)"
+if [ "$(installed)" != "$version" ] || ! has_all "$have" "${wanted[@]}"; then
+  die "Horovod was installed but lacks one of ${wanted[*]}; rerun with 'pip wheel -v' to see the compiler's error"
 fi
+cached=$(wheel_tool store "$cache" "$wheel" "${patches[@]}")
+echo "install_horovod: kept $cached for the next set-up with this key"
+export_wheel "$cached"

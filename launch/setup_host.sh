@@ -16,7 +16,8 @@
 #
 # Steps: Debian's Open MPI (apt, only if missing) -> venv -> pinned TensorFlow (+ tf-keras
 # without its `tensorflow` requirement, which would pull the full wheel beside tensorflow-cpu)
-# -> Horovod built from source with hvdtrain's patch (launch/install_horovod.sh) -> hvdtrain.
+# -> Horovod with hvdtrain's patches (launch/install_horovod.sh: from the per-user wheel cache,
+# or built once per key and kept there; docs/horovod-wheel.md) -> hvdtrain.
 set -euo pipefail
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}  # TensorFlow start-up noise off
 
@@ -34,7 +35,7 @@ case "$tf_version" in
   *) die "Invalid value for \`TF_VERSION\`: received '$tf_version'; expected 2.21.0 (the default) or 2.15.1" ;;
 esac
 inputs=(setup.cfg pyproject.toml "$constraints" launch/setup_host.sh launch/install_horovod.sh
-        launch/horovod-0.28.1.patch)
+        launch/horovod_wheel.py launch/horovod-patches/*.patch)
 
 apt_install() {
   if [ "$(id -u)" -ne 0 ]; then

@@ -82,7 +82,8 @@ def test_versions_are_args_that_match_the_host_pins():
     assert constraints["tf-keras"] == args["TENSORFLOW_VERSION"]  # the same version line
     assert constraints["horovod"] == "0.28.1"
     assert "HOROVOD_VERSION=0.28.1" in read("launch", "install_horovod.sh")
-    assert "horovod-0.28.1.patch" in " ".join(v for k, v in instructions() if k == "COPY")
+    copied = " ".join(v for k, v in instructions() if k == "COPY")
+    assert "launch/horovod-patches" in copied and "launch/horovod_wheel.py" in copied
     assert args["PYTHON_VERSION"] == "3.13"  # Debian 13's
     # The base is an ARG (declared before FROM), the GPU one by default: Debian 13,
     # debootstrapped here (no registry); its CUDA comes from TensorFlow's wheels, pinned.

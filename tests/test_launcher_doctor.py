@@ -76,13 +76,18 @@ def test_host_problems():
         "4 slots but 2 GPUs (one process per GPU)",
     ]
     assert host_problems(dict(GOOD, python="3.11.9", gpus=0), GOOD, slots=8) == []  # CPU host
-    # Another build of Horovod: its ranks would send no rendezvous token (docs/launching.md).
-    patched = dict(GOOD, horovod_patch="0123456789ab")
-    assert host_problems(GOOD, patched) == [
-        "Horovod built with patch none (launch host: 0123456789ab); "
-        "build it with launch/install_horovod.sh on every host"
+    # Another build of Horovod (its local version is the wheel's key, docs/horovod-wheel.md):
+    # unpatched, or patched for another key; its ranks may send no rendezvous token.
+    built = dict(GOOD, horovod="0.28.1+hvdtrain.0123456789ab")
+    other_build = (
+        "is not the launch host's build (0.28.1+hvdtrain.0123456789ab); install the launch "
+        "host's wheel there (make horovod-wheel, docs/horovod-wheel.md)"
+    )
+    assert host_problems(GOOD, built) == [f"Horovod 0.28.1 {other_build}"]
+    assert host_problems(dict(GOOD, horovod="0.28.1+hvdtrain.ba9876543210"), built) == [
+        f"Horovod 0.28.1+hvdtrain.ba9876543210 {other_build}"
     ]
-    assert host_problems(patched, patched) == []
+    assert host_problems(built, built) == []
     assert host_problems({"error": "ssh failed: x"}, GOOD) == ["ssh failed: x"]
     broken = dict(GOOD, build={}, check_build_error="exit 1: boom")
     assert host_problems(broken) == ["horovodrun --check-build failed: exit 1: boom"]
@@ -142,7 +147,9 @@ def test_doctor_for_real(tmp_path):
     assert len(lines) == 5, lines
     python = re.escape(platform.python_version())
     assert re.match(rf"launch host \S+: ok \(Python {python}, TensorFlow 2\.", lines[0]), lines
-    assert "Horovod 0.28.1 [" in lines[0] and "Gloo" in lines[0] and "MPI" in lines[0]
+    # The set-up's wheel: its local version names the build (docs/horovod-wheel.md).
+    assert re.search(r"Horovod 0\.28\.1\+hvdtrain\.[0-9a-f]{12} \[", lines[0]), lines[0]
+    assert "Gloo" in lines[0] and "MPI" in lines[0]
     # What was really built: --check-build claims PyTorch here (horovod.torch imports), but
     # no PyTorch extension exists.
     assert "PyTorch" not in lines[0], lines[0]

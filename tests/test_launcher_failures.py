@@ -110,6 +110,22 @@ def test_gloo_names_the_dead_rank_and_drops_horovodruns_traceback():
     )
 
 
+def test_gloo_one_line_of_the_patched_horovodrun():
+    # launch/horovod-patches/0007: the traceback's fields on one line, no traceback.
+    head = GLOO[: GLOO.index("Traceback (most recent call last):")]
+    line = (
+        "horovodrun: Horovod detected that one or more processes exited with non-zero status, "
+        "so the job was stopped; the first: Process name: 1, Exit code: 137\n"
+    )
+    shown, f = filtered(head + line)
+    assert "Process name" not in shown and "rank 0 stopped" in shown
+    failure = find_failure(f.seen, HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 137)
+    elastic = line.replace("Process name: 1", "Process name: node2[0]")
+    failure = find_failure([elastic], HOSTS)
+    assert (failure.rank, failure.host, failure.exit_code) == (None, "node2", 137)
+
+
 def test_gloo_rank_whose_ssh_session_ended_is_a_lost_host():
     # Captured from two containers as two hosts, the second killed (tests/test_docker_image.py).
     failure = find_failure(GLOO.replace("137", "255").splitlines(), HOSTS)

@@ -22,8 +22,9 @@ prints one line per host::
 and exits 1 when any host has a problem: unreachable, a package missing (tf-keras too, from
 TensorFlow 2.16 on), Horovod built without TensorFlow, Gloo or MPI, a hostname that does
 not resolve (Horovod's Gloo crashes on it), versions that differ from the launch host
-(Python by major.minor; TensorFlow, tf-keras, Horovod and hvdtrain exactly), or more slots
-than GPUs.
+(Python by major.minor; TensorFlow, tf-keras, Horovod and hvdtrain exactly), Horovod of
+another build than the launch host's (its local version, `0.28.1+hvdtrain.<key>`, names
+the build: docs/horovod-wheel.md), or more slots than GPUs.
 """
 
 import base64
@@ -115,11 +116,6 @@ if report["horovod"]:
                       ("MXNet", "mxnet/mpi_lib")):
         if report["build"] and where:
             report["build"][name] = bool(glob.glob(os.path.join(where[0], lib + "*.so")))
-    # The patch launch/install_horovod.sh built in (its SHA-256, recorded beside Horovod).
-    try:
-        report["horovod_patch"] = open(os.path.join(where[0], ".hvdtrain-patch")).read()[:12]
-    except (IndexError, OSError):
-        report["horovod_patch"] = None
 print("__MARKER__" + json.dumps(report))
 """
 
@@ -212,6 +208,19 @@ def _python_minor(version):
     return ".".join((version or "").split(".")[:2])
 
 
+def _version_problem(label, mine, theirs):
+    """Horovod's local version is its build (`0.28.1+hvdtrain.<key>`: hvdtrain's patches,
+    TensorFlow, Python, MPI; docs/horovod-wheel.md): the same release built otherwise, or
+    without the patches, is named as another build. A rank of another build may not even
+    reach the job (its rendezvous wants the patches' token)."""
+    if label == "Horovod" and mine.split("+")[0] == theirs.split("+")[0]:
+        return (
+            f"Horovod {mine} is not the launch host's build ({theirs}); install the launch "
+            "host's wheel there (make horovod-wheel, docs/horovod-wheel.md)"
+        )
+    return f"{label} {mine} (launch host: {theirs})"
+
+
 def host_problems(report, reference=None, slots=None):
     """What is wrong with one host's `report`, compared with the launch host's `reference`.
 
@@ -231,14 +240,7 @@ def host_problems(report, reference=None, slots=None):
         for key, label in PACKAGES:
             mine, theirs = report.get(key), reference.get(key)
             if mine and theirs and mine != theirs:
-                problems.append(f"{label} {mine} (launch host: {theirs})")
-        mine, theirs = report.get("horovod_patch"), reference.get("horovod_patch")
-        if report.get("horovod") and mine != theirs:
-            # A rank whose Horovod lacks the patch sends no rendezvous token: refused.
-            problems.append(
-                f"Horovod built with patch {mine or 'none'} (launch host: {theirs or 'none'}); "
-                "build it with launch/install_horovod.sh on every host"
-            )
+                problems.append(_version_problem(label, mine, theirs))
     tf_version, has_tf_keras = report.get("tensorflow"), bool(report.get("tf_keras"))
     keras = tf_version and keras_problem(tf_version, has_tf_keras, None, None, None)
     if keras:

@@ -62,6 +62,8 @@ EXIT_CODES = {
 # horovodrun's status for a rank whose ssh session ended with the host (killed, unplugged).
 SSH_LOST = 255
 _GLOO_ERROR = "RuntimeError: Horovod detected that one or more processes exited with non-zero"
+# The same, as hvdtrain's patched horovodrun says it: one line (launch/horovod-patches/0007).
+_GLOO_LINE = "horovodrun: Horovod detected that one or more processes exited with non-zero"
 # mpirun's [[job,step],rank], horovodrun's rank, or elastic horovodrun's host[local rank]
 _NAME = re.compile(r"Process name:\s*(?:\[\[\d+,\d+\],(\d+)\]|(\S+)\[\d+\]|(\d+))")
 _CODE = re.compile(r"Exit code:\s*(-?\d+)")
@@ -238,6 +240,8 @@ class OutputFilter:
                 self._tail -= 1
                 return []
             self._tail = 0
+        if line.startswith(_GLOO_LINE):
+            return []  # hvdtrain-run says it in its own words when the job ends
         if self._held:
             if line.startswith(" "):
                 self._held.append(line)
