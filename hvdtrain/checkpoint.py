@@ -17,6 +17,10 @@ Resuming in a loop of your own (`hvdtrain.fit` does all of this)::
     if hvd.rank() == 0:
         manager.save(epoch + 1)                                      # after each epoch
 
+One job at a time: the rank that writes holds `.hvdtrain.lock` in the folder (an
+`fcntl.flock`, which the kernel releases when the process ends, however it ends), and a
+second job on the same folder is refused in one line while the first one lives.
+
 A checkpoint is written into a hidden temporary folder and renamed into place only when
 complete, so a process killed mid-write leaves no `epoch-*` folder behind; the manifest is
 checked on load, so a damaged one is skipped. Older checkpoints are deleted only after
@@ -24,6 +28,7 @@ the new one is in place.
 """
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +41,7 @@ import time
 
 import tensorflow as tf
 
-from hvdtrain import files
+from hvdtrain import files, orphan
 from hvdtrain.errors import HvdtrainError
 
 __all__ = ["CheckpointManager", "Manifest", "FORMAT", "model_fingerprint"]
@@ -47,6 +52,8 @@ _NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
 FORMAT = 2  # written; 1 (hvdtrain 0.1's, the same fields less `data`) is read too
 _READABLE = (1, 2)
 _MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
+LOCK_FILE = ".hvdtrain.lock"
+_held = {}  # {folder: the open lock file}: the folders this process holds
 
 
 @dataclasses.dataclass
@@ -189,13 +196,58 @@ class CheckpointManager:
         self.skipped = []  # the damaged checkpoint folders the last `latest()` passed over
 
     # -- checks -------------------------------------------------------------------------
-    def check_writable(self):
-        """Creates the directory and proves it is writable, or raises a clear error."""
+    def check_writable(self, lock=True):
+        """Creates the directory and proves it is writable, or raises a clear error; with
+        `lock`, takes the folder for this process (`lock`)."""
         d = self.directory
         files.check_writable(d, "--checkpoint-dir", folder=True)
+        if lock:
+            self.lock()
         for name in os.listdir(d):  # leftovers of writes that a crash interrupted
             if name.startswith(".epoch-") and ".tmp" in name:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+    def lock(self):
+        """Holds the folder's lock until `unlock()` or the process's end (the kernel lets go
+        of it however the process ends); raises `HvdtrainError` while another process holds
+        it: two jobs writing one folder would resume from each other's checkpoints."""
+        d = os.path.realpath(self.directory)
+        if d in _held:
+            return
+        path = os.path.join(d, LOCK_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise HvdtrainError(
+                f"Invalid value for `--checkpoint-dir`: received {d}; cannot open its lock "
+                f"file {LOCK_FILE}: {e.strerror or e}; expected a folder this user can write."
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            who = f" ({holder})" if holder else ""
+            raise HvdtrainError(
+                f"--checkpoint-dir {d} is in use by another job{who}; two jobs in one folder "
+                "would resume from each other's checkpoints. Wait for it to end (or end it), "
+                "or choose another --checkpoint-dir."
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError:  # a full disk: the lock holds all the same
+            pass
+        _held[d] = fd
+
+    def unlock(self):
+        """Lets go of the folder's lock (`lock`), if this process holds it."""
+        fd = _held.pop(os.path.realpath(self.directory), None)
+        if fd is not None:
+            os.close(fd)
 
     # -- reading ------------------------------------------------------------------------
     def _epochs(self):
@@ -359,6 +411,7 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
+            orphan.check()  # no checkpoint appears after the launcher's death
             aside = None
             if os.path.exists(final):  # a damaged checkpoint of this epoch: keep it aside
                 aside = f"{final}.{'replaced' if replace else 'damaged'}-{int(time.time())}"

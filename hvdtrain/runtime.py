@@ -24,7 +24,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, stall, tuning
+from hvdtrain import compat, orphan, stall, tuning
 from hvdtrain.errors import HvdtrainError, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 from hvdtrain.tracebacks import printed_by
@@ -142,6 +142,7 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
         The GPU index used, or None on a CPU-only host.
     """
     _whole_lines()
+    orphan.watch()  # a rank whose launcher was killed ends within a second: see there
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
     compat.horovod_as_graph_code()  # a faster first step: see there
     problem = gloo_hostname_problem(os.environ)
