@@ -17,9 +17,9 @@ Resuming in a loop of your own (`hvdtrain.fit` does all of this)::
     if hvd.rank() == 0:
         manager.save(epoch + 1)                                      # after each epoch
 
-One job at a time: the rank that writes holds `.hvdtrain.lock` in the folder (an
-`fcntl.flock`, which the kernel releases when the process ends, however it ends), and a
-second job on the same folder is refused in one line while the first one lives.
+One job at a time: the rank that writes holds the folder (an `fcntl.flock` on it, which
+the kernel releases when the process ends, however it ends), and a second job on the same
+folder is refused in one line while the first one lives.
 
 A checkpoint is written into a hidden temporary folder and renamed into place only when
 complete, so a process killed mid-write leaves no `epoch-*` folder behind; the manifest is
@@ -52,8 +52,7 @@ _NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
 FORMAT = 2  # written; 1 (hvdtrain 0.1's, the same fields less `data`) is read too
 _READABLE = (1, 2)
 _MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
-LOCK_FILE = ".hvdtrain.lock"
-_held = {}  # {folder: the open lock file}: the folders this process holds
+_held = {}  # {folder: its open descriptor, locked}: the folders this process holds
 
 
 @dataclasses.dataclass
@@ -208,39 +207,32 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
     def lock(self):
-        """Holds the folder's lock until `unlock()` or the process's end (the kernel lets go
-        of it however the process ends); raises `HvdtrainError` while another process holds
-        it: two jobs writing one folder would resume from each other's checkpoints."""
+        """Holds the folder (an `fcntl.flock` on the folder itself: no file is added) until
+        `unlock()` or the process's end (the kernel lets go of it however the process ends);
+        raises `HvdtrainError` while another process holds it: two jobs writing one folder
+        would resume from each other's checkpoints. A file system that cannot lock a folder
+        (some network file systems) is not locked."""
         d = os.path.realpath(self.directory)
         if d in _held:
             return
-        path = os.path.join(d, LOCK_FILE)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise HvdtrainError(
-                f"Invalid value for `--checkpoint-dir`: received {d}; cannot open its lock "
-                f"file {LOCK_FILE}: {e.strerror or e}; expected a folder this user can write."
-            ) from None
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return  # check_writable said what is wrong with the folder
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-            except OSError:
-                holder = ""
+        except BlockingIOError:
+            holder = _lock_holder(fd)
             os.close(fd)
-            who = f" ({holder})" if holder else ""
+            who = f" (pid {holder} on this host)" if holder else ""
             raise HvdtrainError(
                 f"--checkpoint-dir {d} is in use by another job{who}; two jobs in one folder "
                 "would resume from each other's checkpoints. Wait for it to end (or end it), "
                 "or choose another --checkpoint-dir."
             ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        except OSError:  # a full disk: the lock holds all the same
-            pass
+        except OSError:  # no locks on this file system
+            os.close(fd)
+            return
         _held[d] = fd
 
     def unlock(self):
@@ -477,6 +469,22 @@ def _product(shape):
             raise TypeError(f"a dimension {d!r}")
         n *= d
     return n
+
+
+def _lock_holder(fd):
+    """The process id holding the flock on the open folder `fd`, from /proc/locks (Linux;
+    this host only), or None."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "FLOCK" in parts and key in parts:
+                    return int(parts[parts.index(key) - 1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _regular(path):
