@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import sysconfig
+import threading
 import traceback
 
 import horovod.tensorflow as hvd
@@ -160,7 +161,10 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
     settings = tuning.horovod_settings(os.environ, exchanges_rarely=sync != "step")
     os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
+    waiting = _waiting_for_the_others(10 * stall.stall_shutdown_seconds(os.environ))
     hvd.init(comm=comm)
+    if waiting:
+        waiting.cancel()
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     _name_failures(hvd.rank())
     if hvd.rank() == 0 and _note_end not in _registered:
@@ -265,6 +269,29 @@ def _name_failures(rank):
 
 
 _registered = []
+
+
+def _waiting_for_the_others(seconds):
+    """A started timer that ends this rank (one line, exit 124) if `hvd.init()` has not
+    returned after `seconds` (10 stall times, as the watchdog's long phases), or None for
+    0: a rank that never reaches it (stopped, or stuck before it, importing TensorFlow
+    from a hung file system) kept the others waiting in it forever under MPI."""
+    if not seconds:
+        return None
+
+    def end():
+        line = (
+            f"hvdtrain: rank {env_rank()} waited {seconds:g} s in hvd.init() for the other "
+            "ranks (one never reached it: stopped, or stuck before it); ending"
+        )
+        note_ending(line + "\n")
+        write_line(line)
+        os._exit(124)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _note_end():

@@ -180,3 +180,22 @@ def test_a_rank_stopped_at_its_exit_ends_within_the_grace_after_rank_0(tmp_path)
     assert "rank 0 done" in text and "rank 1 done" in text, text[-4000:]
     assert "hvdtrain: rank 0 ended" in text, text[-4000:]
     assert "the launcher was still running 5 s after a rank ended; ended it" in text, text[-4000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["mpirun", "gloo"])
+def test_a_rank_that_never_reaches_init_ends_the_wait_of_the_others(backend, tmp_path):
+    """Rank 1 never calls hvd.init() (stopped or stuck before it): rank 0 waits in it 10
+    stall times (1 s here), then says so in one line and exits 124, which ends the job."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*launch_argv(2, backend), sys.executable, worker("never_init.py")],
+        env=job_env(HVDTRAIN_STALL_SHUTDOWN_SECONDS="1"), cwd=tmp_path, capture_output=True,
+        text=True, timeout=150,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "init returned" not in text, text[-4000:]
+    line = (r"hvdtrain: rank 0 waited 10 s in hvd.init\(\) for the other ranks \(one never "
+            r"reached it: stopped, or stuck before it\); ending")  # fmt: skip
+    assert re.search(line, text), text[-4000:]
+    assert time.monotonic() - start < 120

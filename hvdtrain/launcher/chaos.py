@@ -166,19 +166,21 @@ def launch_command(python, np, backend, command):
     return [*argv, "--", *command]
 
 
-def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0):
+def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training"):
     """The seconds within which every process of the job has ended after a fault of `kind`
     (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
     10 s later); a launcher killed outright leaves ranks that end within a second
     (`hvdtrain.orphan`); a stopped rank ends the job after twice the `stall` time at most
-    (the watchdog's bound); a full disk ends the run at its next checkpoint (`expected`:
-    the attempt's expected duration). 20 s on top of each for start-up and a loaded host."""
+    (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
+    `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
+    next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for
+    start-up and a loaded host."""
     slack = 20
     return {
         "kill-rank": grace + 10 + slack,
         "kill-launcher": 5 + slack,
         "term-launcher": grace + 10 + slack,
-        "stop-rank": 2 * stall + grace + 10 + slack,
+        "stop-rank": (10 if phase == "start-up" else 2) * stall + grace + 10 + slack,
         "kill-in-checkpoint": grace + 10 + slack,
         "damage-checkpoint": grace + 10 + slack,
         "full-disk": expected + grace + 10 + slack,
@@ -575,6 +577,7 @@ class _Chaos:
             elif last and newest and newest[-1] >= last:
                 phase = "after training"
             epoch, step = _position(newest[-1] if newest else None)
+            record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
             record["when"] = {"epoch": epoch, "step": step, "phase": phase,
                               "seconds": round(time.monotonic() - job.started, 1)}  # fmt: skip
             kind = fault.kind
