@@ -101,7 +101,7 @@ def test_totals_table_and_lines_say_what_failed():
     sums = chaos.totals(records, digests_equal=True)
     assert sums == {"faults": 3, "not_injected": 1, "survived": 1, "digests_equal": True,
                     "hangs": 1, "left_behind": 2, "tracebacks": 1,
-                    "checkpoints_lost": 0}  # fmt: skip
+                    "checkpoints_lost": 0, "failed_alone": 0}  # fmt: skip
     lines = chaos.table(records).splitlines()
     assert lines[0].split()[:3] == ["#", "kind", "rank"] and len(lines) == 5
     assert lines[2].split()[-1] == "FAILED" and lines[3].endswith("not injected")
@@ -182,3 +182,25 @@ def test_a_script_that_does_not_resume_exactly_is_one_line_not_a_pass(tmp_path):
     assert report["digests_equal"] is False and report["final_digest"], report
     differs = [line for line in text.splitlines() if "differs from the uninterrupted" in line]
     assert len(differs) == 1, text[-6000:]
+
+
+def test_the_soak_deals_its_faults_over_the_matrix_and_sums_the_cells():
+    from hvdtrain.bench import soak
+
+    matrix = soak.cells("/repo")
+    assert len(matrix) == 14 and set(matrix) == set(soak.CELLS)
+    backend, command = matrix["diloco-mpi-k3"]
+    assert backend == "mpi" and command[-6:] == ("--sync", "diloco", "--sync-every", "4",
+                                                 "--keras", "3")  # fmt: skip
+    assert matrix["files-gloo"][1][1] == "/repo/examples/tfrecord_train.py"
+    plan = soak.spread(100, list(soak.CELLS))
+    assert sum(plan.values()) == 100 and set(plan.values()) == {7, 8}
+    assert soak.spread(2, ["a", "b", "c"]) == {"a": 1, "b": 1}
+    one = {"faults": 2, "survived": 2, "hangs": 0, "left_behind": 0, "tracebacks": 0,
+           "checkpoints_lost": 0, "not_injected": 0, "digests_equal": True,
+           "records": [_record(1, "kill-rank"),
+                       _record(2, "stop-rank", survived=False)]}  # fmt: skip
+    sums = soak.sum_cells({"a": one, "b": {**one, "digests_equal": False}, "c": None})
+    assert sums["faults"] == 4 and sums["digests_equal"] == 1 and sums["cells"] == 3
+    assert sums["cells_failed_to_run"] == ["c"]
+    assert sums["kinds"]["stop-rank"] == {"faults": 2, "survived": 0}

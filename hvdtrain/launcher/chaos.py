@@ -199,6 +199,7 @@ def totals(records, digests_equal):
         "left_behind": sum(r["processes_left"] for r in injected),
         "tracebacks": sum(1 for r in injected if r["traceback"]),
         "checkpoints_lost": sum(1 for r in injected if r["checkpoint_lost"]),
+        "failed_alone": sum(1 for r in records if r.get("failed_alone")),
     }
 
 
@@ -249,7 +250,9 @@ def table(records):
                 str(r["processes_left"]),
                 "yes" if r["traceback"] else "no",
                 "yes" if r["checkpoint_lost"] else "no",
-                ("survived" if r["survived"] else "FAILED") if r["injected"] else "not injected",
+                ("survived" if r["survived"] else "FAILED")
+                if r["injected"]
+                else ("FAILED ALONE" if r.get("failed_alone") else "not injected"),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -599,9 +602,15 @@ class _Chaos:
         if not record["injected"]:
             job.proc.wait()
             left = job.wait_end(time.monotonic() + 30)
+            code = job.proc.returncode
             if not record["line"]:
                 record["line"] = "the run ended before the fault's moment"
-            record["exit_status"] = job.proc.returncode
+            if code:  # a failure that no fault caused: the script's, or hvdtrain's
+                record["failed_alone"] = True
+                record["line"] = (
+                    f"the run failed by itself, exit {code}: {_last_line(job.output())}"
+                )
+            record["exit_status"] = code
             return job.proc.returncode, record
         newest_before = (complete_checkpoints(ckpt) or [None])[-1]
         left = job.wait_end(injected_at + record["promise"])
@@ -756,7 +765,7 @@ def _run(args, kinds, workdir, ckpt):
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return sums["digests_equal"] and sums["survived"] == sums["faults"]
+    return sums["digests_equal"] and sums["survived"] == sums["faults"] and not sums["failed_alone"]
 
 
 def main(argv=None):
