@@ -11,7 +11,6 @@ and is then launched with, for example::
     mpirun -np 2 python -m hvdtrain.mnist
 """
 
-import atexit
 import hashlib
 import logging
 import os
@@ -27,14 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain import compat, orphan, stall, tuning
-from hvdtrain.errors import (
-    ENDING_DIR_ENV,
-    HvdtrainError,
-    env_rank,
-    kind_of,
-    note_ending,
-    write_line,
-)
+from hvdtrain.errors import HvdtrainError, env_rank, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 from hvdtrain.tracebacks import printed_by
 
@@ -167,9 +159,6 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
         waiting.cancel()
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     _name_failures(hvd.rank())
-    if hvd.rank() == 0 and _note_end not in _registered:
-        _registered.append(_note_end)
-        atexit.register(_note_end)
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
         raise HvdtrainError(
             f"Invalid value for `comm`: received {kind_of(comm)} while Horovod runs on "
@@ -268,9 +257,6 @@ def _name_failures(rank):
     sys.excepthook = hook
 
 
-_registered = []
-
-
 def _waiting_for_the_others(seconds):
     """A started timer that ends this rank (one line, exit 124) if `hvd.init()` has not
     returned after `seconds` (10 stall times, as the watchdog's long phases), or None for
@@ -292,16 +278,6 @@ def _waiting_for_the_others(seconds):
     timer.daemon = True
     timer.start()
     return timer
-
-
-def _note_end():
-    """At rank 0's exit, a note for hvdtrain-run (`errors.note_ending`), which then gives
-    the other ranks its grace to end: a rank stopped or stuck past the job's last
-    collective (SIGSTOP at its exit) otherwise kept the launcher waiting forever. Not over
-    the note of a failure."""
-    folder = os.environ.get(ENDING_DIR_ENV)
-    if env_rank() == 0 and folder and not os.path.exists(os.path.join(folder, str(os.getpid()))):
-        note_ending("hvdtrain: rank 0 ended\n")
 
 
 _LIBRARIES = None
