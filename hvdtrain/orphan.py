@@ -16,6 +16,10 @@ reused), the rank prints one line and exits at once with `EXIT_CODE` (`os._exit`
 
     hvdtrain: rank 1: the launcher (mpirun, pid 4242) is gone; ending
 
+`hvdtrain-run` also names itself in `LAUNCHER_ENV` (host, pid, start time): a rank that
+reaches `hvdtrain.init()` after hvdtrain-run was killed (during the ranks' start-up, while
+the `horovodrun` or `mpirun` below it lives on) ends there.
+
 `CheckpointManager.save` calls `check()` before it puts a checkpoint in place, so no
 checkpoint appears after the launcher's death, even within the thread's interval. A
 process with no launcher among its ancestors (a script run by hand) watches nothing.
@@ -23,11 +27,22 @@ Linux only (elsewhere, nothing is watched). Nothing here imports TensorFlow or H
 """
 
 import os
+import socket
 import threading
 
 from hvdtrain.errors import env_rank, write_line
 
-__all__ = ["watch", "check", "is_launcher", "launcher_chain", "ancestors", "INTERVAL", "EXIT_CODE"]
+__all__ = [
+    "watch",
+    "check",
+    "is_launcher",
+    "launcher_chain",
+    "ancestors",
+    "identity",
+    "LAUNCHER_ENV",
+    "INTERVAL",
+    "EXIT_CODE",
+]
 
 INTERVAL = 0.5  # seconds between looks
 EXIT_CODE = 1
@@ -45,6 +60,9 @@ LAUNCHERS = frozenset(
         "slurmstepd",
     }
 )
+# Set by hvdtrain-run for its ranks: "host:pid:start time" of itself, so that a rank that
+# reaches `watch` after hvdtrain-run died (killed during the ranks' start-up) still sees it.
+LAUNCHER_ENV = "HVDTRAIN_LAUNCHER"
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh"})
 _chain = []  # [(pid, start time, name)] of the ancestors watched, this one's parent first
 _lock = threading.Lock()
@@ -164,14 +182,39 @@ def _rank():
         return env_rank()
 
 
-def watch():
-    """Records the launcher's chain and starts the watching thread, once per process;
-    returns the chain [(pid, start, name)] ([] when no launcher is an ancestor)."""
+def identity(pid=None):
+    """`LAUNCHER_ENV`'s value for process `pid` (default: this one): host, pid, start time."""
+    pid = pid or os.getpid()
+    stat = _stat(pid)
+    return f"{socket.gethostname()}:{pid}:{stat[2] if stat else 0}"
+
+
+def _named_launcher(environ):
+    """(pid, start, "hvdtrain-run") from `LAUNCHER_ENV` when it names a process of this host,
+    else None (pure but for the host's name)."""
+    parts = environ.get(LAUNCHER_ENV, "").rsplit(":", 2)
+    if len(parts) != 3 or parts[0] != socket.gethostname():
+        return None
+    try:
+        return int(parts[1]), int(parts[2]), "hvdtrain-run"
+    except ValueError:
+        return None
+
+
+def watch(environ=None):
+    """Records the launcher's chain (and the hvdtrain-run that `LAUNCHER_ENV` names) and
+    starts the watching thread, once per process; ends this process at once when one of
+    them is gone already. Returns the chain [(pid, start, name)] ([] when none)."""
     global _chain
     if _chain or not os.path.isdir("/proc/self"):
         return list(_chain)
-    _chain = launcher_chain(ancestors())
+    chain = launcher_chain(ancestors())
+    named = _named_launcher(os.environ if environ is None else environ)
+    if named and named[0] not in {pid for pid, _, _ in chain}:
+        chain.append(named)
+    _chain = chain
     if _chain:
+        check()
         threading.Thread(target=_loop, name="hvdtrain-launcher-watch", daemon=True).start()
     return list(_chain)
 

@@ -4,6 +4,7 @@ checkpoint folder (`CheckpointManager.lock`): real launchers killed with SIGKILL
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,3 +183,47 @@ def test_a_rank_that_never_reaches_init_ends_the_wait_of_the_others(backend, tmp
             r"reached it: stopped, or stuck before it\); ending")  # fmt: skip
     assert re.search(line, text), text[-4000:]
     assert time.monotonic() - start < 120
+
+
+def test_hvdtrain_run_names_itself_to_its_ranks():
+    host = socket.gethostname()
+    assert orphan._named_launcher({orphan.LAUNCHER_ENV: f"{host}:42:1234"}) == (
+        42, 1234, "hvdtrain-run")  # fmt: skip
+    assert orphan._named_launcher({orphan.LAUNCHER_ENV: "another-host:42:1234"}) is None
+    assert orphan._named_launcher({orphan.LAUNCHER_ENV: f"{host}:x:1"}) is None
+    assert orphan._named_launcher({}) is None
+    mine = orphan.identity().rsplit(":", 2)
+    assert mine[:2] == [host, str(os.getpid())] and int(mine[2]) > 0
+
+
+@pytest.mark.timeout(300)
+def test_hvdtrain_run_killed_while_its_ranks_start_ends_them_at_init(tmp_path):
+    """hvdtrain-run SIGKILLed before its ranks reach hvdtrain.init() (the horovodrun and
+    mpirun below it live on): the ranks see it gone there and end; nothing is trained."""
+    ckpt = tmp_path / "ckpt"
+    marker = uuid.uuid4().hex
+    proc, out = start_job(
+        [f"{BIN}/hvdtrain-run", "--backend", "mpi", "-np", "2", "--", sys.executable, *MNIST,
+         "--epochs", "50", "--checkpoint-dir", str(ckpt)],
+        job_env(**{MARKER: marker}), cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            time.monotonic() < deadline
+            and len(
+                [
+                    p
+                    for p, env in job_processes(marker).items()
+                    if any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in env)
+                ]  # fmt: skip
+            )
+            < 2
+        ):
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # the ranks are importing TensorFlow
+        ended = _ended_within(marker, 200)
+        assert ended is not None, "".join(out.drain()[-40:])
+        assert not complete_checkpoints(ckpt)
+    finally:
+        _end(marker)

@@ -51,6 +51,7 @@ import shutil
 import socket
 import sys
 
+from hvdtrain import orphan
 from hvdtrain.errors import (
     HostUnreachable,
     HvdtrainError,
@@ -390,6 +391,7 @@ def _launch(args):
         if crowded:
             print(f"{PROG}: warning: {crowded}", file=sys.stderr, flush=True)
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    env = {**env, orphan.LAUNCHER_ENV: orphan.identity()}  # its ranks end when it is gone
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
         return run_command(argv, {**environ, **env}, hosts, elastic_spec=spec)
     probe = None
