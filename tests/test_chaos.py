@@ -31,11 +31,11 @@ def test_the_schedule_is_drawn_from_the_seed_and_takes_every_kind_in_turn():
     [
         (0.1, 5, False, ("start-up", 0.5)),
         (0.2, 5, False, ("after", 0, 0.0)),
-        (0.6, 5, False, ("after", 2, 0.5)),
-        (0.999, 5, False, ("after", 4, 0.994)),
-        (0.999, 5, True, ("after", 3, 0.995)),
-        (0.6, 0, False, ("end", 0.5)),
-        (0.6, 1, True, ("end", 0.5)),
+        (0.7, 5, False, ("after", 2, 0.5)),
+        (0.999, 5, False, ("after", 3, 0.995)),
+        (0.999, 5, True, ("after", 2, 0.996)),
+        (0.6, 1, False, ("start-up", 0.5)),
+        (0.6, 2, True, ("start-up", 0.5)),
     ],
 )
 def test_a_fault_strikes_at_start_up_or_between_two_checkpoints(

@@ -118,14 +118,15 @@ def moment(fraction, checkpoints, in_a_write=False):
     """Where a fault of `fraction` strikes in an attempt that has `checkpoints` checkpoints
     of the uninterrupted run still to write (pure): ("start-up", share of the start-up) for
     the first fifth of fractions, else ("after", k, share of an interval): that share of the
-    interval between checkpoints after the k-th of them appears; ("end", share of what
-    follows the start-up) when none is left. `in_a_write`: the fault waits for a write
-    after its moment, so the last checkpoint cannot be its anchor."""
-    anchors = checkpoints - 1 if in_a_write else checkpoints
+    interval between checkpoints after the k-th of them appears, never after the last one
+    (the run must have something left to redo). With no such anchor: in the start-up.
+    `in_a_write`: the fault waits for a write after its moment, so the anchor is one
+    earlier still."""
+    anchors = checkpoints - 1 - (1 if in_a_write else 0)
     if fraction < 0.2:
         return "start-up", round(fraction / 0.2, 3)
     if anchors <= 0:
-        return "end", round((fraction - 0.2) / 0.8, 3)
+        return "start-up", round((fraction - 0.2) / 0.8, 3)
     position = (fraction - 0.2) / 0.8 * anchors
     k = min(int(position), anchors - 1)
     return "after", k, round(position - k, 3)
@@ -518,15 +519,13 @@ class _Chaos:
         where = moment(fault.fraction, len(remaining), fault.kind == "kill-in-checkpoint")
         if where[0] == "start-up":
             strike = job.started + where[1] * startup
-        elif where[0] == "after":
+        else:
             anchor = remaining[where[1]]
             while job.proc.poll() is None and not any(
                 n >= anchor for n in complete_checkpoints(ckpt)
             ):
                 time.sleep(0.02)
             strike = time.monotonic() + where[2] * interval
-        else:
-            strike = job.started + startup + where[1] * (self._expected(resumed_from) - startup)
         while time.monotonic() < strike and job.proc.poll() is None:
             time.sleep(0.02)
         if fault.kind == "kill-in-checkpoint":
