@@ -154,9 +154,11 @@ def init(threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, syn
     os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
     waiting = _waiting_for_the_others(10 * stall.stall_shutdown_seconds(os.environ))
-    hvd.init(comm=comm)
-    if waiting:
-        waiting.cancel()
+    try:
+        hvd.init(comm=comm)
+    finally:
+        if waiting:
+            waiting.cancel()
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     _name_failures(hvd.rank())
     if comm is not None and not hvd.mpi_enabled():  # Gloo ignores `comm`: all ranks join
