@@ -17,6 +17,10 @@ Resuming in a loop of your own (`hvdtrain.fit` does all of this)::
     if hvd.rank() == 0:
         manager.save(epoch + 1)                                      # after each epoch
 
+One job at a time: the rank that writes holds the folder (an `fcntl.flock` on it, which
+the kernel releases when the process ends, however it ends), and a second job on the same
+folder is refused in one line while the first one lives.
+
 A checkpoint is written into a hidden temporary folder and renamed into place only when
 complete, so a process killed mid-write leaves no `epoch-*` folder behind; the manifest is
 checked on load, so a damaged one is skipped. Older checkpoints are deleted only after
@@ -24,6 +28,7 @@ the new one is in place.
 """
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +41,7 @@ import time
 
 import tensorflow as tf
 
-from hvdtrain import files
+from hvdtrain import files, orphan
 from hvdtrain.errors import HvdtrainError
 
 __all__ = ["CheckpointManager", "Manifest", "FORMAT", "model_fingerprint"]
@@ -47,6 +52,7 @@ _NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
 FORMAT = 2  # written; 1 (hvdtrain 0.1's, the same fields less `data`) is read too
 _READABLE = (1, 2)
 _MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
+_held = {}  # {folder: its open descriptor, locked}: the folders this process holds
 
 
 @dataclasses.dataclass
@@ -189,13 +195,51 @@ class CheckpointManager:
         self.skipped = []  # the damaged checkpoint folders the last `latest()` passed over
 
     # -- checks -------------------------------------------------------------------------
-    def check_writable(self):
-        """Creates the directory and proves it is writable, or raises a clear error."""
+    def check_writable(self, lock=True):
+        """Creates the directory and proves it is writable, or raises a clear error; with
+        `lock`, takes the folder for this process (`lock`)."""
         d = self.directory
         files.check_writable(d, "--checkpoint-dir", folder=True)
+        if lock:
+            self.lock()
         for name in os.listdir(d):  # leftovers of writes that a crash interrupted
             if name.startswith(".epoch-") and ".tmp" in name:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+    def lock(self):
+        """Holds the folder (an `fcntl.flock` on the folder itself: no file is added) until
+        `unlock()` or the process's end (the kernel lets go of it however the process ends);
+        raises `HvdtrainError` while another process holds it: two jobs writing one folder
+        would resume from each other's checkpoints. A file system that cannot lock a folder
+        (some network file systems) is not locked."""
+        d = os.path.realpath(self.directory)
+        if d in _held:
+            return
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return  # check_writable said what is wrong with the folder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            who = f" (pid {holder} on this host)" if holder else ""
+            raise HvdtrainError(
+                f"--checkpoint-dir {d} is in use by another job{who}; two jobs in one folder "
+                "would resume from each other's checkpoints. Wait for it to end (or end it), "
+                "or choose another --checkpoint-dir."
+            ) from None
+        except OSError:  # no locks on this file system
+            os.close(fd)
+            return
+        _held[d] = fd
+
+    def unlock(self):
+        """Lets go of the folder's lock (`lock`), if this process holds it."""
+        fd = _held.pop(os.path.realpath(self.directory), None)
+        if fd is not None:
+            os.close(fd)
 
     # -- reading ------------------------------------------------------------------------
     def _epochs(self):
@@ -359,6 +403,7 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
+            orphan.check()  # no checkpoint appears after the launcher's death
             aside = None
             if os.path.exists(final):  # a damaged checkpoint of this epoch: keep it aside
                 aside = f"{final}.{'replaced' if replace else 'damaged'}-{int(time.time())}"
@@ -424,6 +469,22 @@ def _product(shape):
             raise TypeError(f"a dimension {d!r}")
         n *= d
     return n
+
+
+def _lock_holder(fd):
+    """The process id holding the flock on the open folder `fd`, from /proc/locks (Linux;
+    this host only), or None."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "FLOCK" in parts and key in parts:
+                    return int(parts[parts.index(key) - 1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _regular(path):

@@ -16,13 +16,14 @@ import logging
 import os
 import socket
 import sys
+import threading
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import compat, logs, tuning, watchdog
-from hvdtrain.errors import HvdtrainError, horovod_up, kind_of
+from hvdtrain import compat, logs, orphan, stall, tuning, watchdog
+from hvdtrain.errors import HvdtrainError, env_rank, horovod_up, kind_of, note_ending, write_line
 from hvdtrain.stall import stall_settings, stall_shutdown_seconds
 
 __all__ = [
@@ -141,6 +142,7 @@ def init(
         The GPU index used, or None on a CPU-only host.
     """
     _whole_lines()
+    orphan.watch()  # a rank whose launcher was killed ends within a second: see there
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
     compat.horovod_as_graph_code()  # a faster first step: see there
     problem = gloo_hostname_problem(os.environ)
@@ -150,7 +152,12 @@ def init(
     settings = tuning.horovod_settings(os.environ, exchanges_rarely=exchanges_rarely)
     os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
-    hvd.init(comm=comm)
+    waiting = _waiting_for_the_others(10 * stall.stall_shutdown_seconds(os.environ))
+    try:
+        hvd.init(comm=comm)
+    finally:
+        if waiting:
+            waiting.cancel()
     horovod_threads = tuning.thread_ids() - before  # its background thread (and MPI's/Gloo's)
     horovod_up(hvd.rank(), watchdog.last_activity)  # the hook of uncaught errors names the rank
     logs.keras_set_up_on_rank0(hvd.rank())
@@ -185,6 +192,29 @@ def init(
             pass
     _pinned = index
     return index
+
+
+def _waiting_for_the_others(seconds):
+    """A started timer that ends this rank (one line, exit 124) if `hvd.init()` has not
+    returned after `seconds` (10 stall times, as the watchdog's long phases), or None for
+    0: a rank that never reaches it (stopped, or stuck before it, importing TensorFlow
+    from a hung file system) kept the others waiting in it forever under MPI."""
+    if not seconds:
+        return None
+
+    def end():
+        line = (
+            f"hvdtrain: rank {env_rank()} waited {seconds:g} s in hvd.init() for the other "
+            "ranks (one never reached it: stopped, or stuck before it); ending"
+        )
+        note_ending(line + "\n")
+        write_line(line)
+        os._exit(124)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def is_main_process():

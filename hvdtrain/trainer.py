@@ -113,6 +113,8 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
     finally:
         if run.guard is not None:
             run.guard.stop()
+        if run.built is not None and run.built.manager is not None:
+            run.built.manager.unlock()  # the folder is free for the next job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,8 +332,8 @@ class Run:
 
     def _check_outputs(self):
         cfg, manager = self.cfg, self.built.manager
-        if manager:
-            manager.check_writable()
+        if manager:  # and held by this job (not under --elastic: rank 0 may change hands)
+            manager.check_writable(lock=not cfg.elastic)
         if cfg.metrics_json:
             files.check_writable(cfg.metrics_json, "--metrics-json")
         if cfg.log_dir:

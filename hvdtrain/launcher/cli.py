@@ -5,6 +5,7 @@ Usage::
     hvdtrain-run [-np N] [-H HOST:SLOTS,... | --hostfile FILE] [--backend B] [...] [--] COMMAND
     hvdtrain-run doctor [-H ... | --hostfile FILE] [--python PYTHON] [--timeout S]
     hvdtrain-run doctor --gpu [-np N] [-H ... | --hostfile FILE]     # on a GPU node
+    hvdtrain-run chaos -np N --faults F [--seed S] [--json PATH] -- COMMAND   # see chaos.py
     hvdtrain-run k8s --workers W --gpus-per-worker G [--image IMAGE] [--name NAME] [-- COMMAND]
     hvdtrain-run --elastic [--min-np A] [--max-np B] [--host-discovery-script S | -H ... |
                  --hostfile FILE] [...] -- COMMAND --elastic
@@ -50,6 +51,7 @@ import shutil
 import socket
 import sys
 
+from hvdtrain import orphan
 from hvdtrain.errors import (
     HostUnreachable,
     HvdtrainError,
@@ -57,7 +59,7 @@ from hvdtrain.errors import (
     invalid_value,
 )
 from hvdtrain.flags import ArgumentParser
-from hvdtrain.launcher import doctor, elastic, failures, gpu, kubernetes
+from hvdtrain.launcher import chaos, doctor, elastic, failures, gpu, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
     TUNABLES,
@@ -389,6 +391,7 @@ def _launch(args):
         if crowded:
             print(f"{PROG}: warning: {crowded}", file=sys.stderr, flush=True)
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    env = {**env, orphan.LAUNCHER_ENV: orphan.identity()}  # its ranks end when it is gone
     if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
         return run_command(argv, {**environ, **env}, hosts, elastic_spec=spec)
     probe = None
@@ -502,6 +505,8 @@ def main(argv=None):
     try:
         if argv[:1] == ["k8s"]:
             return k8s_main(argv[1:])
+        if argv[:1] == ["chaos"]:  # see hvdtrain.launcher.chaos
+            return chaos.main(argv[1:])
         if argv[:1] == ["doctor"]:
             args = parse_args(argv[1:])
             args.doctor = True

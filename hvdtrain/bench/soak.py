@@ -1,0 +1,144 @@
+"""The chaos soak: `hvdtrain-run chaos` across the modes, backends and Kerases, summed.
+
+    python -m hvdtrain.bench.soak --faults 100 --json soak.json              # the figure
+    python -m hvdtrain.bench.soak --faults 14 --cells step-gloo-k2,files-mpi # a few cells
+
+Each cell is one chaos run (`hvdtrain.launcher.chaos`: an uninterrupted run, then the same
+command with faults, resumed after each; every kind of fault in turn) on 2 ranks of this
+host: `hvdtrain.mnist --model mlp` (arrays) under `--sync step`, `local` and `diloco`,
+Gloo and MPI, Keras 2 and 3, and examples/tfrecord_train.py (files: its TFRecords, read
+with `hvdtrain.FileData`) under Gloo and MPI. `--faults` are spread over the cells in
+turn. The JSON holds the totals (`faults`, `survived`, `digests_equal`: the cells whose
+final digest equalled the uninterrupted run's, `hangs`, `left_behind`, `tracebacks`,
+`checkpoints_lost`) and every cell's own chaos JSON. Exit status 0 when every fault was
+survived and every digest equal. It never imports TensorFlow. On a 2-core host a cell's
+run takes 40-80 s, so 100 faults take hours: run it on a host of its own.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from hvdtrain.bench.runner import PACKAGE_ROOT
+from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+
+__all__ = ["CELLS", "cells", "spread", "sum_cells", "main"]
+
+PROG = "python -m hvdtrain.bench.soak"
+MNIST = ("python", "-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512",
+         "--epochs", "3", "--checkpoint-every", "4")  # fmt: skip
+
+
+def cells(root=PACKAGE_ROOT):
+    """{name: (backend, command)} of the matrix (pure)."""
+    out = {}
+    for sync in ("step", "local", "diloco"):
+        every = ("--sync-every", "4") if sync != "step" else ()
+        for backend in ("gloo", "mpi"):
+            for keras in ("2", "3"):
+                command = (*MNIST, "--sync", sync, *every, "--keras", keras)
+                out[f"{sync}-{backend}-k{keras}"] = (backend, command)
+    script = os.path.join(root, "examples", "tfrecord_train.py")
+    for backend in ("gloo", "mpi"):
+        command = ("python", script, "--epochs", "1", "--checkpoint-every", "8")
+        out[f"files-{backend}"] = (backend, command)
+    return out
+
+
+CELLS = tuple(cells())
+
+
+def spread(faults, names):
+    """{cell: faults} with `faults` dealt over `names` in turn (pure)."""
+    out = dict.fromkeys(names, 0)
+    for i in range(faults):
+        out[names[i % len(names)]] += 1
+    return {k: v for k, v in out.items() if v}
+
+
+def sum_cells(reports):
+    """The soak's totals from the cells' chaos JSONs {cell: report or None} (pure)."""
+    keys = ("faults", "survived", "hangs", "left_behind", "tracebacks", "checkpoints_lost",
+            "not_injected", "failed_alone")  # fmt: skip
+    done = {k: r for k, r in reports.items() if r}
+    out = {k: sum(r.get(k, 0) for r in done.values()) for k in keys}
+    out["cells"] = len(reports)
+    out["cells_failed_to_run"] = sorted(k for k, r in reports.items() if not r)
+    out["digests_equal"] = sum(1 for r in done.values() if r.get("digests_equal"))
+    out["kinds"] = {}
+    for r in done.values():
+        for record in r.get("records", []):
+            if record.get("injected"):
+                kind = out["kinds"].setdefault(record["kind"], {"faults": 0, "survived": 0})
+                kind["faults"] += 1
+                kind["survived"] += bool(record.get("survived"))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--faults", default="100", help="faults in all (default 100)")
+    p.add_argument("--seed", default="0", help="the first cell's seed; the next ones follow")
+    p.add_argument("--cells", help="comma-separated, default all: " + ",".join(CELLS))
+    p.add_argument("--json", required=True, metavar="PATH", help="the totals and every cell")
+    p.add_argument("--workdir", help="the cells' folders (default: a new temp folder)")
+    args = p.parse_args(argv)
+    try:
+        for name in ("faults", "seed"):
+            if not getattr(args, name).isdigit():
+                raise invalid_value("--" + name, getattr(args, name), "an integer >= 0")
+        names = [c.strip() for c in (args.cells or ",".join(CELLS)).split(",") if c.strip()]
+        for name in names:
+            if name not in CELLS:
+                raise invalid_value("--cells", name, "cells among " + ", ".join(CELLS))
+        return _soak(args, spread(int(args.faults), names))
+    except HvdtrainError as e:
+        exit_with_error(PROG, e)
+
+
+def _soak(args, plan):
+    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="hvdtrain-soak-"))
+    matrix, reports, started = cells(), {}, time.monotonic()
+    for i, (name, faults) in enumerate(plan.items()):
+        backend, command = matrix[name]
+        folder = os.path.join(workdir, name)
+        os.makedirs(folder, exist_ok=True)
+        report = os.path.join(folder, "chaos.json")
+        argv = [sys.executable, "-m", "hvdtrain.launcher.cli", "chaos", "-np", "2",
+                "--faults", str(faults), "--seed", str(int(args.seed) + i), "--backend",
+                backend, "--json", report, "--workdir", os.path.join(folder, "work"), "--",
+                *command]  # fmt: skip
+        print(f"{PROG}: {name}: {faults} faults ...", file=sys.stderr, flush=True)
+        with open(os.path.join(folder, "chaos.out"), "w") as out:
+            code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder).returncode
+        try:
+            with open(report) as f:
+                reports[name] = json.load(f)
+        except (OSError, ValueError):
+            reports[name] = None
+        got = reports[name] or {}
+        print(f"{PROG}: {name}: exit {code}, {got.get('survived', 0)}/{got.get('faults', 0)} "
+              f"survived, digest {'equal' if got.get('digests_equal') else 'DIFFERENT'}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    sums = sum_cells(reports)
+    out = {**sums, "seconds": round(time.monotonic() - started), "plan": plan,
+           "workdir": workdir, "reports": reports}  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{PROG}: {sums['faults']} faults in {len(plan)} cells: {sums['survived']} survived, "
+          f"{sums['digests_equal']}/{len(plan)} digests equal, {sums['hangs']} hangs, "
+          f"{sums['left_behind']} processes left, {sums['tracebacks']} tracebacks",
+          flush=True)  # fmt: skip
+    ok = sums["survived"] == sums["faults"] and sums["digests_equal"] == len(plan)
+    ok = ok and not sums["failed_alone"] and not sums["cells_failed_to_run"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,781 @@
+"""hvdtrain-run chaos: does your script survive the faults hvdtrain promises to survive?
+
+Usage::
+
+    hvdtrain-run chaos -np 2 --faults 7 [--seed S] [--backend B] [--kinds K,K,...]
+        [--stall-seconds S] [--json PATH] [--workdir DIR] -- python train.py ARGS
+
+It runs your command (a script on `hvdtrain.ArgumentParser`) twice under `hvdtrain-run`:
+once uninterrupted, then again while it injects `--faults` faults, one per attempt, at
+moments drawn from `--seed`, resuming with the same command after each, to the end. It
+adds `--deterministic` where the command lacks it, and gives each run its own
+`--checkpoint-dir` and `--metrics-json` (in `--workdir`; yours are replaced). Then it
+compares the final weights (the metrics JSON's `ranks[0].weights_digest`) with the
+uninterrupted run's.
+
+The faults (`--kinds`, default all that this machine allows):
+
+    kill-rank           SIGKILL of one rank (a crash, the out-of-memory killer)
+    kill-launcher       SIGKILL of hvdtrain-run (a scheduler's hard kill): the ranks end
+                        within a second (`hvdtrain.orphan`)
+    term-launcher       SIGTERM of hvdtrain-run (a scheduler's preemption)
+    stop-rank           SIGSTOP of one rank: the stall time ends the job (--stall-seconds,
+                        default 20, set as HVDTRAIN_STALL_SHUTDOWN_SECONDS)
+    kill-in-checkpoint  SIGKILL of rank 0 while it writes a checkpoint
+    damage-checkpoint   SIGKILL of one rank, then the newest checkpoint damaged (a byte of
+                        a state file changed): the resume skips it for the one before
+    full-disk           the checkpoint folder's disk filled (a 64 MB tmpfs mounted for the
+                        run: root only) until the run fails at a checkpoint; freed before
+                        the resume
+
+After each fault it checks what a user cannot see: that every process of the job ended
+(its processes carry `HVDTRAIN_CHAOS_JOB` in their environment) within the fault's
+promised time (`promise`), that no Python traceback was printed, and that the newest
+complete checkpoint from before the fault is still there or a newer one replaced it. It
+prints a line per fault, a table at the end, and with `--json` the totals and each fault.
+Exit status: 0 when every fault was survived and the final digest equals the
+uninterrupted run's; 1 otherwise; 2 for a mistake in the options.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+
+__all__ = [
+    "KINDS",
+    "Fault",
+    "schedule",
+    "job_command",
+    "launch_command",
+    "promise",
+    "moment",
+    "totals",
+    "table",
+    "progress_line",
+    "digest_line",
+    "job_processes",
+    "main",
+]
+
+PROG = "hvdtrain-run chaos"
+KINDS = (
+    "kill-rank",
+    "kill-launcher",
+    "term-launcher",
+    "stop-rank",
+    "kill-in-checkpoint",
+    "damage-checkpoint",
+    "full-disk",
+)
+MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
+STALL_SECONDS = 20
+GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
+TMPFS_MB = 64
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault of the schedule: its `kind`, the `fraction` of the attempt's expected
+    duration after which it strikes, and the `rank` it hits (kinds on a rank)."""
+
+    index: int
+    kind: str
+    fraction: float
+    rank: int
+
+
+def schedule(faults, seed, kinds=KINDS, np=2):
+    """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
+    moments and ranks drawn from the seed, so that every kind comes once in each
+    len(kinds) faults."""
+    rng = random.Random(seed)
+    order = []
+    while len(order) < faults:
+        block = list(kinds)
+        rng.shuffle(block)
+        order.extend(block)
+    out = []
+    for i, kind in enumerate(order[:faults]):
+        fraction = round(rng.random(), 3)
+        rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
+        out.append(Fault(i + 1, kind, fraction, rank))
+    return out
+
+
+def moment(fraction, checkpoints, in_a_write=False):
+    """Where a fault of `fraction` strikes in an attempt that has `checkpoints` checkpoints
+    of the uninterrupted run still to write (pure): ("start-up", share of the start-up) for
+    the first fifth of fractions, else ("after", k, share of an interval): that share of the
+    interval between checkpoints after the k-th of them appears, never after the last one
+    (the run must have something left to redo). With no such anchor: in the start-up.
+    `in_a_write`: the fault waits for a write after its moment, so the anchor is one
+    earlier still."""
+    anchors = checkpoints - 1 - (1 if in_a_write else 0)
+    if fraction < 0.2:
+        return "start-up", round(fraction / 0.2, 3)
+    if anchors <= 0:
+        return "start-up", round((fraction - 0.2) / 0.8, 3)
+    position = (fraction - 0.2) / 0.8 * anchors
+    k = min(int(position), anchors - 1)
+    return "after", k, round(position - k, 3)
+
+
+def _flag_value(argv, flag):
+    """The index of `flag`'s value in `argv` (`--flag V` or `--flag=V`), or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return i + 1
+        if arg.startswith(flag + "="):
+            return i
+    return None
+
+
+def job_command(command, checkpoint_dir, metrics_json):
+    """The user's `command` with this run's `--checkpoint-dir` and `--metrics-json` (in
+    place of theirs, if given) and `--deterministic` where missing (pure)."""
+    argv = list(command)
+    for flag, value in (("--checkpoint-dir", checkpoint_dir), ("--metrics-json", metrics_json)):
+        i = _flag_value(argv, flag)
+        if i is None:
+            argv += [flag, value]
+        elif argv[i].startswith(flag + "="):
+            argv[i] = f"{flag}={value}"
+        else:
+            argv[i] = value
+    if "--deterministic" not in argv:
+        argv.append("--deterministic")
+    return argv
+
+
+def launch_command(python, np, backend, command):
+    """hvdtrain-run's command line for `command` (pure)."""
+    argv = [python, "-m", "hvdtrain.launcher.cli", "-q", "-np", str(np)]
+    if backend:
+        argv += ["--backend", backend]
+    return [*argv, "--", *command]
+
+
+def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training"):
+    """The seconds within which every process of the job has ended after a fault of `kind`
+    (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
+    10 s later); a launcher killed outright leaves ranks that end within a second
+    (`hvdtrain.orphan`); a stopped rank ends the job after twice the `stall` time at most
+    (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
+    `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
+    next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for
+    start-up and a loaded host."""
+    slack = 20
+    return {
+        "kill-rank": grace + 10 + slack,
+        "kill-launcher": 5 + slack,
+        "term-launcher": grace + 10 + slack,
+        "stop-rank": (10 if phase == "start-up" else 2) * stall + grace + 10 + slack,
+        "kill-in-checkpoint": grace + 10 + slack,
+        "damage-checkpoint": grace + 10 + slack,
+        "full-disk": expected + grace + 10 + slack,
+    }[kind]
+
+
+def totals(records, digests_equal):
+    """The run's totals from the fault `records` (dicts) (pure)."""
+    injected = [r for r in records if r["injected"]]
+    return {
+        "faults": len(injected),
+        "not_injected": len(records) - len(injected),
+        "survived": sum(1 for r in injected if r["survived"]),
+        "digests_equal": bool(digests_equal),
+        "hangs": sum(1 for r in injected if r["hang"]),
+        "left_behind": sum(r["processes_left"] for r in injected),
+        "tracebacks": sum(1 for r in injected if r["traceback"]),
+        "checkpoints_lost": sum(1 for r in injected if r["checkpoint_lost"]),
+        "failed_alone": sum(1 for r in records if r.get("failed_alone")),
+    }
+
+
+def progress_line(record, total):
+    """`fault 3/7 kill-rank (rank 1) at epoch 2 step 4 (training): ended in 6.1 s, exit 1:
+    <its line>` (pure)."""
+    who = f" (rank {record['rank']})" if "rank" in record["kind"] or "stop" in record[
+        "kind"] else ""  # fmt: skip
+    head = f"fault {record['index']}/{total} {record['kind']}{who}"
+    if not record["injected"]:
+        return f"{head}: not injected ({record['line']})"
+    when = record["when"]
+    at = f"at epoch {when['epoch']} step {when['step']} ({when['phase']})"
+    problems = [
+        p
+        for p, bad in (
+            (f"HANG (over {record['promise']:g} s)", record["hang"]),
+            (f"{record['processes_left']} process(es) left behind", record["processes_left"]),
+            ("a traceback printed", record["traceback"]),
+            ("a checkpoint lost", record["checkpoint_lost"]),
+        )
+        if bad
+    ]
+    verdict = "; ".join(problems) if problems else "ok"
+    line = f": {record['line']}" if record["line"] else ""
+    return (
+        f"{head} {at}: ended in {record['seconds_to_end']:.1f} s, exit "
+        f"{record['exit_status']}, {verdict}{line}"
+    )
+
+
+def table(records):
+    """The faults as a fixed-width table (pure)."""
+    rows = [("#", "kind", "rank", "epoch", "step", "phase", "exit", "s to end", "left", "tb",
+             "lost", "result")]  # fmt: skip
+    for r in records:
+        when = r.get("when") or {}
+        rows.append(
+            (
+                str(r["index"]),
+                r["kind"],
+                str(r["rank"]),
+                str(when.get("epoch", "-")),
+                str(when.get("step", "-")),
+                when.get("phase", "-"),
+                str(r["exit_status"]),
+                f"{r['seconds_to_end']:.1f}" if r["injected"] else "-",
+                str(r["processes_left"]),
+                "yes" if r["traceback"] else "no",
+                "yes" if r["checkpoint_lost"] else "no",
+                ("survived" if r["survived"] else "FAILED")
+                if r["injected"]
+                else ("FAILED ALONE" if r.get("failed_alone") else "not injected"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def digest_line(reference, final):
+    """The verdict on the final weights, one line (pure)."""
+    if final is None:
+        return "the run with faults did not finish: no final weights to compare"
+    if final == reference:
+        return f"final weights digest equal to the uninterrupted run's ({final[:16]})"
+    return (
+        f"final weights digest {final[:16]} differs from the uninterrupted run's "
+        f"{(reference or '?')[:16]}: the script does not resume exactly (unseeded random "
+        "numbers, state outside the model and optimizer, or data order of its own)"
+    )
+
+
+# -- processes and folders -----------------------------------------------------------------
+
+
+def _environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def job_processes(marker):
+    """{pid: environment (a list of bytes)} of the living processes of the job `marker`."""
+    tag = f"{MARKER}={marker}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            env = _environ(entry)
+            if tag in env and _state(entry) not in (None, "Z", "X"):
+                found[int(entry)] = env
+    return found
+
+
+def rank_pid(marker, rank):
+    """The process id of rank `rank` of the job `marker`, or None (not started yet)."""
+    for pid, env in job_processes(marker).items():
+        for var in (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK="):
+            value = next((e[len(var) :] for e in env if e.startswith(var)), None)
+            if value == str(rank).encode() and _is_python(pid):
+                return pid
+    return None
+
+
+def _is_python(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            first = f.read().split(b"\0")[0]
+    except OSError:
+        return False
+    return os.path.basename(first).startswith(b"python")
+
+
+def complete_checkpoints(folder):
+    """The names of the checkpoints in `folder` with a manifest, oldest first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    done = [n for n in names if n.startswith("epoch-") and "." not in n]
+    done = [n for n in done if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
+    return sorted(done)
+
+
+def _position(name):
+    """(epoch, step) of a checkpoint's name, (0, 0) for None."""
+    if not name:
+        return 0, 0
+    parts = name.split("-")
+    return int(parts[1]), int(parts[3]) if len(parts) > 3 else 0
+
+
+def _writing(folder):
+    try:
+        return any(n.startswith(".epoch-") and ".tmp" in n for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def _damage(folder, name):
+    """Changes one byte in the middle of the biggest state file of checkpoint `name`."""
+    path = os.path.join(folder, name)
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.startswith("state")]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([(byte[0] if byte else 0) ^ 0xFF]))
+
+
+def _mount_tmpfs(path, mb):
+    """Mounts a tmpfs of `mb` MB at `path`; None when done, else why not (one phrase)."""
+    if os.geteuid() != 0:
+        return "it needs root to mount a small tmpfs"
+    os.makedirs(path, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", path],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"mount failed ({e})"
+    if done.returncode:
+        return f"mount failed ({(done.stderr or '').strip().splitlines()[-1:] or done.returncode})"
+    return None
+
+
+def _fill(folder):
+    """Fills the disk of `folder` with a file; returns its path."""
+    path = os.path.join(folder, ".chaos-filler")
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError:
+            pass
+        try:  # the last bytes
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return path
+
+
+class _Job:
+    """One run of the command under hvdtrain-run, its output in `log`."""
+
+    def __init__(self, argv, env, log):
+        self.marker = uuid.uuid4().hex
+        self.log = log
+        self.started = time.monotonic()
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env={**env, MARKER: self.marker},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def ended(self):
+        return self.proc.poll() is not None and not job_processes(self.marker)
+
+    def wait_end(self, deadline):
+        """Waits until every process of the job ended or `deadline` (monotonic); returns
+        the processes it then ended with SIGKILL (left behind)."""
+        while time.monotonic() < deadline:
+            if self.ended():
+                return 0
+            time.sleep(0.1)
+        left = job_processes(self.marker)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return len(left)
+
+    def output(self):
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+
+def _last_line(text):
+    """The job's one line about how it ended: its last hvdtrain line."""
+    lines = [line.strip() for line in text.splitlines()]
+    ours = [line for line in lines if line.startswith(("hvdtrain-run", "hvdtrain:"))]
+    return (ours or [""])[-1][:300]
+
+
+def _digest(metrics_json):
+    try:
+        with open(metrics_json) as f:
+            return json.load(f)["ranks"][0]["weights_digest"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+class _Chaos:
+    def __init__(self, args, kinds, workdir):
+        self.args, self.kinds, self.workdir = args, kinds, workdir
+        env = dict(os.environ)
+        env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
+        env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(GRACE_SECONDS))
+        self.env = env
+        self.stall = float(env["HVDTRAIN_STALL_SHUTDOWN_SECONDS"])
+        self.grace = float(env["HVDTRAIN_LAUNCHER_GRACE_SECONDS"])
+        self.timeline = {}  # the uninterrupted run: {checkpoint name: seconds after start}
+        self.duration = None
+        self.attempts = 0
+
+    def _argv(self, name, ckpt):
+        metrics = os.path.join(self.workdir, f"{name}.metrics.json")
+        command = job_command(self.args.command, ckpt, metrics)
+        argv = launch_command(sys.executable, self.args.np, self.args.backend, command)
+        return argv, metrics
+
+    def reference(self):
+        ckpt = os.path.join(self.workdir, "uninterrupted")
+        argv, metrics = self._argv("uninterrupted", ckpt)
+        job = _Job(argv, self.env, os.path.join(self.workdir, "uninterrupted.log"))
+        while job.proc.poll() is None:
+            for name in complete_checkpoints(ckpt):
+                self.timeline.setdefault(name, time.monotonic() - job.started)
+            time.sleep(0.05)
+        self.duration = time.monotonic() - job.started
+        job.wait_end(time.monotonic() + 30)
+        if job.proc.returncode != 0:
+            raise HvdtrainError(
+                f"the uninterrupted run failed (exit {job.proc.returncode}: "
+                f"{_last_line(job.output()) or 'see ' + job.log}); fix it before the chaos run"
+            )
+        digest = _digest(metrics)
+        if digest is None:
+            raise HvdtrainError(f"the uninterrupted run wrote no weights digest to {metrics}")
+        return digest
+
+    def _estimates(self):
+        """(start-up, seconds between checkpoints) of the uninterrupted run."""
+        times = sorted(self.timeline.values())
+        interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
+        startup = max(1.0, times[0] - interval) if times else self.duration / 2
+        return startup, interval
+
+    def _expected(self, resumed_from):
+        """The expected seconds of an attempt that resumes from checkpoint `resumed_from`."""
+        startup, _ = self._estimates()
+        done = self.timeline.get(resumed_from, startup)
+        return max(5.0, startup + self.duration - done)
+
+    def _wait_moment(self, job, ckpt, fault, resumed_from):
+        """Waits for the fault's moment (`moment`): a share of the start-up, or a share of
+        the interval after a checkpoint of the uninterrupted run appears, or of the end."""
+        startup, interval = self._estimates()
+        remaining = [n for n in sorted(self.timeline) if resumed_from is None or n > resumed_from]
+        where = moment(fault.fraction, len(remaining), fault.kind == "kill-in-checkpoint")
+        if where[0] == "start-up":
+            strike = job.started + where[1] * startup
+        else:
+            anchor = remaining[where[1]]
+            while job.proc.poll() is None and not any(
+                n >= anchor for n in complete_checkpoints(ckpt)
+            ):
+                time.sleep(0.02)
+            strike = time.monotonic() + where[2] * interval
+        while time.monotonic() < strike and job.proc.poll() is None:
+            time.sleep(0.02)
+        if fault.kind == "kill-in-checkpoint":
+            while job.proc.poll() is None and not _writing(ckpt):
+                time.sleep(0.002)
+
+    def attempt(self, ckpt, fault):
+        """Runs the command once, with `fault` (or none); returns (exit status, record)."""
+        self.attempts += 1
+        argv, metrics = self._argv("chaos", ckpt)
+        before = complete_checkpoints(ckpt)
+        resumed_from = before[-1] if before else None
+        job = _Job(argv, self.env, os.path.join(self.workdir, f"chaos-{self.attempts}.log"))
+        if fault is None:
+            job.proc.wait()
+            left = job.wait_end(time.monotonic() + 30)
+            return job.proc.returncode, {"left": left, "line": _last_line(job.output())}
+        expected = self._expected(resumed_from)
+        record = {
+            "index": fault.index,
+            "kind": fault.kind,
+            "rank": fault.rank,
+            "injected": False,
+            "when": None,
+            "exit_status": None,
+            "line": "",
+            "seconds_to_end": 0.0,
+            "promise": promise(fault.kind, self.stall, self.grace, expected),
+            "hang": False,
+            "processes_left": 0,
+            "traceback": False,
+            "checkpoint_lost": False,
+            "survived": False,
+        }
+        self._wait_moment(job, ckpt, fault, resumed_from)
+        filler = None
+        target = None
+        if job.proc.poll() is None:
+            if fault.kind in ("kill-rank", "stop-rank", "damage-checkpoint"):
+                target = self._rank_pid(job, fault.rank)
+            if fault.kind == "kill-in-checkpoint":
+                target = self._rank_pid(job, 0)
+        if job.proc.poll() is None:
+            newest = complete_checkpoints(ckpt)
+            last = max(self.timeline) if self.timeline else None
+            phase = "training"
+            if _writing(ckpt):
+                phase = "checkpoint write"
+            elif newest == before:
+                phase = "start-up"
+            elif last and newest and newest[-1] >= last:
+                phase = "after training"
+            epoch, step = _position(newest[-1] if newest else None)
+            record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
+            record["when"] = {"epoch": epoch, "step": step, "phase": phase,
+                              "seconds": round(time.monotonic() - job.started, 1)}  # fmt: skip
+            kind = fault.kind
+            try:
+                if kind in ("kill-launcher", "term-launcher"):
+                    os.kill(
+                        job.proc.pid, signal.SIGKILL if kind == "kill-launcher" else signal.SIGTERM
+                    )
+                elif kind == "full-disk":
+                    filler = _fill(ckpt)
+                elif target is not None:
+                    os.kill(target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL)
+                record["injected"] = kind == "full-disk" or target is not None or "launcher" in kind
+            except ProcessLookupError:
+                pass
+            if not record["injected"]:
+                record["line"] = "the rank was not found running"
+        injected_at = time.monotonic()
+        if not record["injected"]:
+            job.proc.wait()
+            left = job.wait_end(time.monotonic() + 30)
+            code = job.proc.returncode
+            if not record["line"]:
+                record["line"] = "the run ended before the fault's moment"
+            if code:  # a failure that no fault caused: the script's, or hvdtrain's
+                record["failed_alone"] = True
+                record["line"] = (
+                    f"the run failed by itself, exit {code}: {_last_line(job.output())}"
+                )
+            record["exit_status"] = code
+            return job.proc.returncode, record
+        newest_before = (complete_checkpoints(ckpt) or [None])[-1]
+        left = job.wait_end(injected_at + record["promise"])
+        record["seconds_to_end"] = round(time.monotonic() - injected_at, 1)
+        record["hang"] = bool(left)
+        record["processes_left"] = left
+        if filler:
+            os.remove(filler)
+        code = job.proc.returncode
+        text = job.output()
+        record["exit_status"] = code
+        record["line"] = _last_line(text)
+        record["traceback"] = _TRACEBACK in text
+        after = complete_checkpoints(ckpt)
+        record["checkpoint_lost"] = bool(
+            newest_before
+            and newest_before not in after
+            and not any(n > newest_before for n in after)
+        )
+        if fault.kind == "damage-checkpoint" and after:
+            _damage(ckpt, after[-1])
+            record["damaged"] = after[-1]
+        record["survived"] = not (
+            record["hang"] or record["traceback"] or record["checkpoint_lost"]
+        )
+        return code, record
+
+    def _rank_pid(self, job, rank):
+        """The rank's process, waiting for it to start (up to the end of the job)."""
+        while job.proc.poll() is None:
+            pid = rank_pid(job.marker, rank)
+            if pid:
+                return pid
+            time.sleep(0.1)
+        return None
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("-np", "--num-proc", dest="np", default="2", metavar="N", help="default 2")
+    p.add_argument("--faults", default="7", metavar="N", help="faults to inject (default 7)")
+    p.add_argument("--seed", default="0", metavar="S", help="draws the faults (default 0)")
+    p.add_argument("--backend", choices=("gloo", "mpi", "mpirun"), help="hvdtrain-run's")
+    p.add_argument("--kinds", metavar="K,K", help="default: " + ",".join(KINDS))
+    p.add_argument(
+        "--stall-seconds",
+        default=str(STALL_SECONDS),
+        metavar="S",
+        help=f"HVDTRAIN_STALL_SHUTDOWN_SECONDS for the runs (default {STALL_SECONDS})",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
+    p.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: a new temp)")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        raise HvdtrainError(
+            "no command to run; expected e.g. `hvdtrain-run chaos -np 2 --faults 3 -- python "
+            "-m hvdtrain.mnist --epochs 2`"
+        )
+    for name, minimum in (("np", 1), ("faults", 0), ("seed", 0), ("stall_seconds", 1)):
+        text = getattr(args, name)
+        flag = "--" + name.replace("_", "-") if name != "np" else "-np"
+        if not text.isdigit() or int(text) < minimum:
+            raise invalid_value(flag, text, f"an integer >= {minimum}")
+        setattr(args, name, int(text))
+    kinds = tuple(k.strip() for k in (args.kinds or "").split(",") if k.strip())
+    for kind in kinds:
+        if kind not in KINDS:
+            raise invalid_value("--kinds", kind, "a comma-separated list of " + ", ".join(KINDS))
+    args.kinds = kinds
+    return args
+
+
+def run(args):
+    """The chaos run of parsed `args`; returns the exit status."""
+    workdir = args.workdir or tempfile.mkdtemp(prefix="hvdtrain-chaos-")
+    os.makedirs(workdir, exist_ok=True)
+    workdir = os.path.abspath(workdir)
+    kinds = args.kinds or KINDS
+    ckpt = os.path.join(workdir, "chaos")
+    mounted = False
+    if "full-disk" in kinds:
+        why = _mount_tmpfs(ckpt, TMPFS_MB)
+        if why and args.kinds:
+            raise HvdtrainError(f"cannot inject full-disk: {why}; leave it out of --kinds")
+        if why:
+            print(f"{PROG}: full-disk left out: {why}", flush=True)
+            kinds = tuple(k for k in kinds if k != "full-disk")
+        mounted = why is None
+    try:
+        ok = _run(args, kinds, workdir, ckpt)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", ckpt], capture_output=True, timeout=30)
+    if ok and not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def _run(args, kinds, workdir, ckpt):
+    chaos = _Chaos(args, kinds, workdir)
+    faults = schedule(args.faults, args.seed, kinds, args.np)
+    print(f"{PROG}: {len(faults)} faults (seed {args.seed}); logs and checkpoints in {workdir}",
+          flush=True)  # fmt: skip
+    print(f"{PROG}: the uninterrupted run ...", flush=True)
+    reference = chaos.reference()
+    print(f"{PROG}: uninterrupted run: {chaos.duration:.1f} s, digest {reference[:16]}", flush=True)
+    records, code, final = [], None, None
+    for fault in faults:
+        code, record = chaos.attempt(ckpt, fault)
+        records.append(record)
+        print(f"{PROG}: {progress_line(record, len(faults))}", flush=True)
+        if code == 0 and not record["injected"]:  # the run finished before the fault
+            break
+    if code != 0:
+        code, last = chaos.attempt(ckpt, None)
+        if code != 0:
+            print(
+                f"{PROG}: the last run (no fault) failed, exit {code}: {last['line']}", flush=True
+            )
+    if code == 0:
+        final = _digest(os.path.join(workdir, "chaos.metrics.json"))
+    sums = totals(records, final is not None and final == reference)
+    print(table(records), flush=True)
+    verdict = digest_line(reference, final)
+    print(
+        f"{PROG}: {sums['faults']} faults injected, {sums['survived']} survived, "
+        f"{sums['hangs']} hangs, {sums['left_behind']} processes left behind, "
+        f"{sums['tracebacks']} tracebacks; {verdict}",
+        flush=True,
+    )
+    if args.json:
+        out = {
+            **sums,
+            "seed": args.seed,
+            "np": args.np,
+            "backend": args.backend,
+            "command": list(args.command),
+            "reference_digest": reference,
+            "final_digest": final,
+            "uninterrupted_seconds": round(chaos.duration, 1),
+            "workdir": workdir,
+            "records": records,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return sums["digests_equal"] and sums["survived"] == sums["faults"] and not sums["failed_alone"]
+
+
+def main(argv=None):
+    """`hvdtrain-run chaos ...`; returns the exit status."""
+    try:
+        return run(_parse(list(sys.argv[1:] if argv is None else argv)))
+    except HvdtrainError as e:
+        exit_with_error(PROG, e)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
