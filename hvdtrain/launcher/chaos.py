@@ -50,7 +50,8 @@ import tempfile
 import time
 import uuid
 
-from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import main as cli_main
 
 __all__ = [
     "KINDS",
@@ -769,12 +770,8 @@ def _run(args, kinds, workdir, ckpt):
 
 def main(argv=None):
     """`hvdtrain-run chaos ...`; returns the exit status."""
-    try:
-        return run(_parse(list(sys.argv[1:] if argv is None else argv)))
-    except HvdtrainError as e:
-        exit_with_error(PROG, e)
-    except KeyboardInterrupt:
-        return 130
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli_main(lambda a: run(_parse(a)), args, prog=PROG)
 
 
 if __name__ == "__main__":
