@@ -421,9 +421,12 @@ class CheckpointManager:
         except (OSError, tf.errors.OpError) as e:  # a full disk, a lost mount, permissions
             shutil.rmtree(tmp, ignore_errors=True)
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0].split("; ")[-1]
+            # Rank 0's alone: the others are already in the next step's collectives, so it
+            # leaves at once (no meeting in a last collective) and the launcher ends them.
             raise HvdtrainError(
                 f"Could not write checkpoint {final}: {reason}. The previous "
-                "checkpoints are kept; free space or choose another --checkpoint-dir."
+                "checkpoints are kept; free space or choose another --checkpoint-dir.",
+                every_rank=False,
             ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
