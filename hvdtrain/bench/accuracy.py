@@ -1,13 +1,13 @@
 """What exchanging less costs in accuracy: `python -m hvdtrain.mnist` on the whole MNIST at
--np 2 (Gloo), at equal samples, under `--sync step`, `local` and `diloco` for each H, over
-several seeds; the mean and spread of the test accuracy per mode.
+-np 2 (Gloo; `--np` for more ranks), at equal samples, under `--sync step`, `local` and
+`diloco` for each H, over several seeds; the mean and spread of the test accuracy per mode.
 
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --out out/accuracy
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --model convnet-bn --every 16
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --modes diloco --outer 1:0.5,1:0
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
-job (`hvdtrain-run --backend gloo -np 2`); `accuracy.json` (every run's figures) and
+job (`hvdtrain-run --backend gloo -np N`); `accuracy.json` (every run's figures) and
 `accuracy.md` (the table) go to `--out`. It never imports TensorFlow. Run again into the same
 `--out`, it reuses each finished run made with the same arguments (a study extended to more
 H values, modes or seeds runs the new ones alone).
@@ -91,6 +91,7 @@ def _run(argv):
     p.add_argument("--every", default="4,16,64", help="the H values")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--np", type=int, default=2, help="ranks (one host, Gloo)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--warmup-epochs", type=float, default=1.0,
                    help="the learning rate's warmup in every mode, and local SGD's "
@@ -111,6 +112,8 @@ def _run(argv):
         every = [int(h) for h in args.every.split(",")]
     except ValueError:
         every = [0]
+    if args.np < 1:
+        raise invalid_value("--np", args.np, "a number of ranks, 1 or more")
     if any(h < 1 for h in every):
         raise invalid_value("--every", args.every, "H values, e.g. 4,16,64")
     os.makedirs(args.out, exist_ok=True)
@@ -119,7 +122,7 @@ def _run(argv):
     for label, flags in plan(every, modes, outers):
         for seed in range(args.seeds):
             metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
-            argv = [run, "--backend", "gloo", "-np", "2", "--", sys.executable, "-m",
+            argv = [run, "--backend", "gloo", "-np", str(args.np), "--", sys.executable, "-m",
                     "hvdtrain.mnist", "--model", args.model, "--data-dir", args.data_dir,
                     "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                     "--seed", str(seed), "--progress", "off", "--metrics-json", metrics,
@@ -141,11 +144,16 @@ def _run(argv):
             results.setdefault(label, []).append(m["test_accuracy"])
             print(f"{label} seed {seed}: {100 * m['test_accuracy']:.2f} %", file=sys.stderr)
     text = table(results)
-    header = (f"{args.model}, {args.epochs} epochs of 60,000 digits, -np 2 x batch "
+    header = (f"{args.model}, {args.epochs} epochs of 60,000 digits, -np {args.np} x batch "
               f"{args.batch_size} (Gloo), warmup {args.warmup_epochs} epochs, {args.seeds} "
               "seeds; test on 10,000:\n\n")  # fmt: skip
     with open(os.path.join(args.out, "accuracy.json"), "w") as f:
-        keys = {"model": args.model, "epochs": args.epochs, "warmup_epochs": args.warmup_epochs}
+        keys = {
+            "model": args.model,
+            "np": args.np,
+            "epochs": args.epochs,
+            "warmup_epochs": args.warmup_epochs,
+        }
         json.dump({**keys, "runs": runs}, f, indent=1)
     with open(os.path.join(args.out, "accuracy.md"), "w") as f:
         f.write(header + text)
