@@ -2,7 +2,7 @@
 of `hvdtrain.fit` where each rank takes H steps on its own between two exchanges of weights.
 
     hvdtrain-run -np 4 -- python train.py --sync local --sync-every 16
-    hvdtrain-run -np 4 -- python train.py --sync diloco --sync-every 64 --outer-lr 0.7
+    hvdtrain-run -np 4 -- python train.py --sync diloco --sync-every 64
 
 How the ranks exchange is one strategy object per mode, built from the config in one place
 (`for_config`) and called by the recipe (`hvdtrain.trainer`) without asking which it holds,
@@ -41,7 +41,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdtrain import optim, watchdog
-from hvdtrain.flags import OUTER, float16_refused
+from hvdtrain.flags import float16_refused
 from hvdtrain.gate import Gate
 
 __all__ = [
@@ -52,9 +52,30 @@ __all__ = [
     "OverlappedDiLoCo",
     "ExchangeCallback",
     "for_config",
+    "outer_step",
     "exchange_due",
     "fitting_steps_per_execution",
 ]
+
+
+OUTER_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum, the paper's
+
+
+def outer_step(every, ranks):
+    """DiLoCo's outer learning rate for H=`every` local steps between exchanges and `ranks`
+    ranks, where `--outer-lr` is not given; its momentum is `OUTER_MOMENTUM`. Pure.
+
+    An outer Nesterov step of rate r and momentum 0.9 moves the anchor by r / (1 - 0.9) = 10r
+    times a pseudo-gradient that repeats round after round, as it does at short H. The paper's
+    0.7 (tuned for about 500 inner steps) is 7 times that: it overshot at H=4 to 64 on the
+    whole MNIST (-2.27 to -0.88 points against the synchronous run); 0.1 (1 time, local
+    SGD's own step, smoothed) was the best of 0.1-0.5 at H=4 and H=16 on 2 ranks
+    (docs/exchanging-less.md, "DiLoCo's outer step"). The best rate rises with H (the ranks'
+    changes drift apart and their mean shortens) and with the number of ranks (Charles et
+    al., 2025): 0.1 up to H=16, times sqrt(H/16) above it, times sqrt(ranks/2) above 2 ranks
+    (from the literature, not measured here), at most the paper's 0.7."""
+    rate = 0.1 * max(1.0, every / 16) ** 0.5 * max(1.0, ranks / 2) ** 0.5
+    return round(min(rate, 0.7), 3)
 
 
 def exchange_due(step_in_epoch, steps_per_epoch, every):
@@ -284,6 +305,7 @@ class LocalSGD(Exchange):
             "every": self.every,
             "warmup_steps": self.warmup,
             "outer_lr": None,
+            "outer_lr_from": None,
             "outer_momentum": None,
             "fp16": self.compression is hvd.Compression.fp16,
             "overlap": False,
@@ -318,15 +340,27 @@ class DiLoCo(LocalSGD):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.outer_lr = cfg.outer_lr if cfg.outer_lr is not None else OUTER["outer_lr"]
         self.momentum = cfg.outer_momentum
         if self.momentum is None:
-            self.momentum = OUTER["outer_momentum"]
+            self.momentum = OUTER_MOMENTUM
+        self.outer_lr, self.outer_from = cfg.outer_lr, "--outer-lr"  # else `_fit`'s rule
         self.outer = None  # `OuterState`, by `attach`
+
+    def _fit(self):
+        """The outer learning rate of this job's H and ranks, unless the user gave one."""
+        if self.cfg.outer_lr is None:
+            ranks = hvd.size()
+            self.outer_lr = outer_step(self.every, ranks)
+            self.outer_from = f"fitted to H={self.every} and {ranks} ranks"
 
     def attach(self, model, optimizers):
         super().attach(model, optimizers)
         self.outer = OuterState(self.weights)
+        self._fit()
+
+    def begin(self, start_step, lr_warmup_steps):
+        super().begin(start_step, lr_warmup_steps)
+        self._fit()  # (an elastic reset: the ranks may be more or fewer)
 
     def holders(self):
         return {"exchange_outer": self.outer}
@@ -350,10 +384,12 @@ class DiLoCo(LocalSGD):
         ]
 
     def describe(self):
-        return f"{super().describe()}, outer lr {self.outer_lr:g} momentum {self.momentum:g}"
+        return (f"{super().describe()}, outer lr {self.outer_lr:g} ({self.outer_from}) "
+                f"momentum {self.momentum:g}")  # fmt: skip
 
     def summary(self):
-        return {**super().summary(), "outer_lr": self.outer_lr, "outer_momentum": self.momentum}
+        return {**super().summary(), "outer_lr": self.outer_lr, "outer_lr_from": self.outer_from,
+                "outer_momentum": self.momentum}  # fmt: skip
 
 
 class _Overlapped:

@@ -24,7 +24,7 @@ __all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS", "SYNC_MOD
 PROGRESS = ("auto", "bar", "lines", "off")
 SYNC_MODES = ("step", "local", "diloco")
 SYNC_EVERY = 16  # --sync-every's default under --sync local/diloco
-OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer Nesterov SGD
+OUTER = ("outer_lr", "outer_momentum")  # DiLoCo's outer Nesterov SGD (exchange.outer_step)
 
 
 @dataclasses.dataclass
@@ -67,8 +67,8 @@ class TrainConfig:
         sync_every: H, the local steps between two exchanges (default 16).
         sync_warmup_steps: synchronous steps before the local ones (default: the learning
             rate's warmup under "local", none under "diloco").
-        outer_lr: DiLoCo's outer learning rate (default 0.7, the paper's for hundreds of
-            inner steps; 0.3 measured better for H up to 64).
+        outer_lr: DiLoCo's outer learning rate (default: fitted to `sync_every` and the
+            number of ranks, `hvdtrain.exchange.outer_step`).
         outer_momentum: DiLoCo's outer Nesterov momentum (default 0.9).
         sync_overlap: under "local" or "diloco", run each exchange while the next local
             steps do, its mean applied at the next exchange (default: off).
@@ -399,14 +399,9 @@ def _add_training_flags(p, d):
         "sync_warmup_steps",
         "synchronous steps first (default: the LR warmup under local, 0 under diloco)",
     )
-    flag(x, "outer_lr", f"DiLoCo's outer learning rate (default {OUTER['outer_lr']:g}; 0.3 "
-         "measured better for --sync-every up to 64)", type=float)  # fmt: skip
-    flag(
-        x,
-        "outer_momentum",
-        f"DiLoCo's outer Nesterov momentum (default {OUTER['outer_momentum']:g})",
-        type=float,
-    )
+    flag(x, "outer_lr", "DiLoCo's outer learning rate (default: fitted to --sync-every and "
+         "the ranks; the first line says which ran)", type=float)  # fmt: skip
+    flag(x, "outer_momentum", "DiLoCo's outer Nesterov momentum (default 0.9)", type=float)
     x.add_argument(
         "--sync-overlap",
         action=argparse.BooleanOptionalAction,

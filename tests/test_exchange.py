@@ -88,6 +88,19 @@ def test_h_is_resolved_once_with_its_default():
     assert make_config(sync="diloco", sync_every=4).exchange_every == 4
 
 
+def test_diloco_outer_rate_is_fitted_to_h_and_the_ranks():
+    """The rule of docs/exchanging-less.md: 0.1 up to H=16 on 2 ranks (the measured best),
+    rising as sqrt(H/16) and sqrt(ranks/2) above them, at most the paper's 0.7."""
+    from hvdtrain.exchange import outer_step
+
+    assert [outer_step(h, 2) for h in (1, 4, 16)] == [0.1, 0.1, 0.1]
+    assert outer_step(64, 2) == 0.2 and outer_step(16, 8) == 0.2 and outer_step(16, 1) == 0.1
+    assert outer_step(500, 64) == 0.7  # the paper's setting: its own rate, no more
+    rates = [outer_step(h, n) for n in (2, 4, 8) for h in (4, 16, 64, 256)]
+    assert all(0.1 <= r <= 0.7 for r in rates)
+    assert outer_step(64, 4) > outer_step(64, 2) and outer_step(256, 2) > outer_step(64, 2)
+
+
 @pytest.mark.parametrize("keras", ["2", "3"])
 def test_an_optimizers_own_state_leaves_out_its_step_and_learning_rate(keras):
     """What the exchange averages of an optimizer at whole exchanges: Adam's two moments per
@@ -185,6 +198,7 @@ def test_diloco_with_outer_sgd_of_rate_1_is_local_sgd_and_ranks_agree_at_exchang
         assert [i + 1 for i, agreed in enumerate(trace) if agreed] == [4, 8, 10, 14, 18, 20]
     assert m["sync"]["exchanges"] == d["sync"]["exchanges"] == 6
     assert d["sync"]["mode"] == "diloco" and d["sync"]["outer_lr"] == 1.0
+    assert d["sync"]["outer_lr_from"] == "--outer-lr"
     # An exchange moves the weights and BatchNorm's 2 x 16 statistics; Adam's two moments are
     # averaged at the two epoch ends only.
     trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
@@ -198,7 +212,10 @@ def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_
                          "--sync-warmup-steps", "0")  # fmt: skip
     (diloco, _), d = _run(shared_jobs, tmp_path / "diloco", "--sync", "diloco", "--sync-every",
                           "4", "--fp16-allreduce")  # fmt: skip
-    assert _largest_difference(local, diloco) > 1e-3  # the default outer 0.7 / 0.9 acts
+    assert _largest_difference(local, diloco) > 1e-3  # the default outer step acts
+    # The default rate is the rule's for H=4 on 2 ranks, and the run says so.
+    assert d["sync"]["outer_lr"] == 0.1 and d["sync"]["outer_momentum"] == 0.9
+    assert d["sync"]["outer_lr_from"] == "fitted to H=4 and 2 ranks"
     trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
     assert d["sync"]["fp16"] and d["sync"]["bytes_per_exchange"] == 2 * trainable + 4 * 2 * 16
     assert d["status"] == "finished" and len({r["weights_digest"] for r in d["ranks"]}) == 1
