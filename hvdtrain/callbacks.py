@@ -388,7 +388,7 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
     makes no progress for the stall time ends with one line saying where it was (see
     `hvdtrain.watchdog`). A training step waits for the other ranks (its gradient
     allreduce): twice the time, so that the stuck rank names itself first. The first step
-    traces and compiles the model: ten times the time.
+    traces and compiles the model, as does the first validation: ten times the time.
 
     Args:
         timeout: seconds without progress; by default the stall shutdown time in effect
@@ -414,6 +414,7 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
         self._follow_stall_time = timeout is None and self._owned
         self._epoch = 0
         self._armed = False
+        self._validated = False  # a first validation has begun (its step traced)
 
     def _beat(self, what, waits_for=OWN_WORK):
         if self.watchdog is not None and self._armed:
@@ -454,6 +455,12 @@ class WatchdogCallback(tf.keras.callbacks.Callback):
             f"finished epoch {epoch + 1}; then in epoch-end callbacks (metric averaging, "
             "evaluation, checkpoint)"
         )
+
+    def on_test_begin(self, logs=None):
+        if not self._validated:  # the first validation traces and compiles its step
+            self._validated = True
+            self._beat(f"the first validation after epoch {self._epoch} (tracing and "
+                       "compiling)", OWN_SETUP)  # fmt: skip
 
     def on_test_batch_end(self, batch, logs=None):
         self._beat(f"validation batch {batch + 1} after epoch {self._epoch}")

@@ -466,3 +466,28 @@ def test_watchdog_callback_times_steps_after_the_first():
     assert _wait_for(lambda: fired)
     assert "rank 1 made no progress" in fired[0] and "finished step 2 of epoch 1" in fired[0]
     cb.on_train_end()
+
+
+def test_watchdog_callback_gives_the_first_validation_its_tracing_time():
+    """An epoch's end runs the first validation, which traces and compiles its step: 10 x
+    the time there, as for the first step (a loaded elastic job's rank 1 was ended there at
+    1 x); the validations after it have 1 x."""
+    from hvdtrain.callbacks import WatchdogCallback
+
+    fired = []
+    cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)
+    cb.on_train_begin()
+    cb.on_epoch_begin(0)
+    cb.on_train_batch_begin(0)
+    cb.on_train_batch_end(0)
+    cb.on_epoch_end(0)
+    cb.on_test_begin()
+    time.sleep(0.8)  # tracing the validation step: 10 x 0.3 s
+    assert not fired
+    cb.on_test_batch_end(0)
+    cb.on_test_end()
+    cb.on_epoch_end(1)
+    cb.on_test_begin()  # the second validation: traced already
+    assert _wait_for(lambda: fired)
+    assert "finished epoch 2; then in epoch-end callbacks" in fired[0]
+    cb.on_train_end()
