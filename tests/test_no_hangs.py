@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from conftest import run_job, worker
+from conftest import BIN, job_env, run_job, worker
 
 STALL = 5  # seconds, for every job here
 SLACK = 30  # launcher teardown and a loaded machine
@@ -242,6 +242,31 @@ def test_frozen_rank_ends_the_job_under_mpi(tmp_path):
         r"another rank's line says it was stuck, one of them froze whole",
         output,
     ), output[-6000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_stopped_past_the_last_collective_is_named_and_ended(backend, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at its exit, after the job's last collective: no rank
+    waits for it, so no watchdog or stall check can end the job; `hvdtrain-run` sees its
+    rank stopped for the stall time, ends it and says so (found by the chaos run, which
+    waited forever)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [f"{BIN}/hvdtrain-run", "--backend", backend, "-np", "2", "--", sys.executable,
+         worker("stop_at_exit.py")],
+        env=job_env(HVDTRAIN_STALL_SHUTDOWN_SECONDS=str(STALL)), cwd=tmp_path,
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    took, text = time.monotonic() - start, proc.stdout + proc.stderr
+    assert proc.returncode == 124, text[-4000:]
+    assert "rank 0 done" in text and "rank 1 done" in text, text[-4000:]
+    assert re.search(
+        r"hvdtrain-run: rank 1 \(pid \d+ on \S+\) was stopped \(SIGSTOP or SIGTSTP\) for 5 s, "
+        r"the stall time; ended it and the job$",
+        proc.stderr.rstrip(),
+    ), text[-4000:]
+    assert took < 60 + STALL, text[-4000:]  # the ranks' start-up, the stall time, a second
 
 
 @slow

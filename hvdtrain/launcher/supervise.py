@@ -13,9 +13,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
+from hvdtrain.stall import stall_shutdown_seconds
 from hvdtrain.startup import noise_unwanted
 from hvdtrain.watchdog import without_marker
 
@@ -39,8 +41,12 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     (`errors.note_ending`), which starts the grace when mpirun forwards nothing.
     `probe()`, called after a failed job, returns {host:
     why} for the hosts that no longer answer; those are named as lost (exit 255).
-    `elastic_spec`: the job's `ElasticSpec` (see `failures.OutputFilter`)."""
-    child, pending, timers, ended, notes = [], [], [], [], []
+    `elastic_spec`: the job's `ElasticSpec` (see `failures.OutputFilter`).
+
+    A rank of this host stopped whole (SIGSTOP, SIGTSTP) for the stall time is ended, and
+    the job with it, in one line naming it (exit 124): its watchdog cannot run, and where
+    no other rank waits for it (past the job's last collective) nothing else would end it."""
+    child, pending, timers, ended, notes, stopped = [], [], [], [], [], []
     lock, done = threading.Lock(), threading.Event()
     ending_dir = tempfile.mkdtemp(prefix="hvdtrain-run-") if grace and hosts else None
     if ending_dir:
@@ -74,6 +80,22 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
                 timers[-1].daemon = True
                 timers[-1].start()
 
+    def watch_stopped(limit):  # each second, until a rank of this host stays stopped
+        since = {}
+        while not done.wait(1):
+            now, ranks = time.monotonic(), _stopped_ranks(child[0].pid)
+            since = {pid: since.get(pid, now) for pid in ranks}
+            late = [pid for pid, t in since.items() if now - t >= limit]
+            if late:
+                pid = late[0]
+                stopped.append(
+                    f"rank {ranks[pid]} (pid {pid} on {socket.gethostname()}) was stopped "
+                    f"(SIGSTOP or SIGTSTP) for {limit:g} s, the stall time; ended it and the job"
+                )
+                for pid in late:
+                    _kill(pid, signal.SIGKILL)
+                return
+
     def watch_ending_dir():  # each second, until a rank of this host leaves its last line
         while not done.wait(1):
             notes[:] = _read_notes(ending_dir)
@@ -105,6 +127,11 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             forward(signum, None)
         if ending_dir:
             threading.Thread(target=watch_ending_dir, name="hvdtrain-ending", daemon=True).start()
+        limit = stall_shutdown_seconds(env) if watch and not elastic_spec else 0
+        if limit:  # (elastic: the job goes on without a worker that failed)
+            threading.Thread(
+                target=watch_stopped, args=(limit,), name="hvdtrain-stopped", daemon=True
+            ).start()
         if watch:
             for line in child[0].stderr:
                 with lock:
@@ -126,6 +153,9 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code
+    if stopped:
+        print(f"{PROG}: {stopped[0]}", file=sys.stderr, flush=True)
+        return failures.STALLED
     if watch and code:
         failure = failures.find_failure(watch.seen, hosts)
         down = probe() if probe and not (failure and failure.exit_code == 255) else {}
@@ -152,6 +182,46 @@ def _read_notes(folder):
         except OSError:
             pass
     return lines
+
+
+def _stopped_ranks(root):
+    """{pid: rank} of the descendants of process `root` that are stopped (state T) and are
+    ranks (a launcher's rank variable in their environment). Descendants, not a session:
+    horovodrun starts each rank in a session of its own (Linux: /proc)."""
+    parent, state = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, ...
+            parent[int(entry)], state[int(entry)] = int(fields[1]), fields[0]
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    out = {}
+    for pid, st in state.items():
+        ancestor = parent.get(pid)
+        while st == "T" and ancestor not in (None, 0, 1, root):
+            ancestor = parent.get(ancestor)
+        if st != "T" or ancestor != root:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for var in (b"HOROVOD_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK", b"SLURM_PROCID"):
+            if env.get(var, b"").isdigit():
+                out[pid] = int(env[var])
+                break
+    return out
+
+
+def _kill(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass  # gone meanwhile
 
 
 def _signal_session(sid, signum):
