@@ -516,3 +516,31 @@ def test_watchdog_callback_gives_the_first_validation_its_tracing_time():
     assert _wait_for(lambda: fired)
     assert "finished epoch 2; then in epoch-end callbacks" in fired[0]
     cb.on_train_end()
+
+
+def test_stopped_ranks_are_the_stopped_descendants_with_a_rank():
+    """What `hvdtrain-run` looks for each second: its launcher's descendants in state T
+    whose environment holds a rank; a stopped process without one, or running, is not."""
+    import os
+    import signal
+
+    from hvdtrain.launcher.supervise import _stopped_ranks
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ranks = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+    plain_env = {k: v for k, v in os.environ.items() if k not in ranks}
+    ranked = subprocess.Popen(sleep, env={**plain_env, "HOROVOD_RANK": "3"})
+    plain = subprocess.Popen(sleep, env=plain_env)
+    try:
+        assert _stopped_ranks(os.getpid()) == {}  # running
+        for proc in (ranked, plain):
+            os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # the state changes as the signal is delivered
+        while not _stopped_ranks(os.getpid()) and time.monotonic() < deadline:
+            pass
+        assert _stopped_ranks(os.getpid()) == {ranked.pid: 3}
+        assert _stopped_ranks(plain.pid) == {}  # not a descendant of it
+    finally:
+        for proc in (ranked, plain):
+            proc.kill()
+            proc.wait()
