@@ -77,14 +77,12 @@ def uninterrupted(files, tmp_path_factory, shared_jobs):
     return get
 
 
-@pytest.mark.parametrize(  # every pair of backend, data form and Keras
+@pytest.mark.parametrize(  # every pair of backend, data form, Keras and --sync, once
     "backend, form",
     [
         ("gloo", "arrays"),
         ("mpi", "tfrecord"),
         ("gloo", "keras3-tfrecord"),
-        ("mpi", "keras3"),
-        ("mpi", "batches"),
         ("gloo", "keras3-batches"),
         ("gloo", "arrays+local"),  # killed between two exchanges of weights
         ("mpi", "keras3+diloco"),
