@@ -127,7 +127,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             forward(signum, None)
         if ending_dir:
             threading.Thread(target=watch_ending_dir, name="hvdtrain-ending", daemon=True).start()
-        limit = stall_shutdown_seconds(env) if watch and not elastic_spec else 0
+        limit = _stall_time(env) if watch and not elastic_spec else 0
         if limit:  # (elastic: the job goes on without a worker that failed)
             threading.Thread(
                 target=watch_stopped, args=(limit,), name="hvdtrain-stopped", daemon=True
@@ -182,6 +182,15 @@ def _read_notes(folder):
         except OSError:
             pass
     return lines
+
+
+def _stall_time(env):
+    """The job's stall time, or 0 where it is off or not a valid number (the ranks' own
+    `hvdtrain.init` then says what is wrong with it, as before)."""
+    try:
+        return stall_shutdown_seconds(env)
+    except HvdtrainError:
+        return 0
 
 
 def _stopped_ranks(root):
