@@ -33,6 +33,7 @@ import threading
 from hvdtrain.errors import env_rank, write_line
 
 __all__ = [
+    "process_stat",
     "watch",
     "check",
     "is_launcher",
@@ -113,7 +114,7 @@ def launcher_chain(lineage):
     return chain
 
 
-def _stat(pid):
+def process_stat(pid):
     """(state, parent pid, start time) of process `pid`, or None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -136,10 +137,10 @@ def ancestors(pid=None):
     """[(pid, start time, argv)] of the ancestors of `pid` (default: this process), parent
     first, up to (not including) process 1."""
     out = []
-    stat = _stat(pid or os.getpid())
+    stat = process_stat(pid or os.getpid())
     while stat and stat[1] > 1 and len(out) < 64:
         parent = stat[1]
-        stat = _stat(parent)
+        stat = process_stat(parent)
         if stat is None:
             break
         out.append((parent, stat[2], _argv(parent)))
@@ -149,7 +150,7 @@ def ancestors(pid=None):
 def _gone():
     """The first watched ancestor that has ended, as (pid, start, name), or None."""
     for pid, start, name in _chain:
-        stat = _stat(pid)
+        stat = process_stat(pid)
         if stat is None or stat[0] in ("Z", "X") or stat[2] != start:
             return pid, start, name
     return None
@@ -185,7 +186,7 @@ def _rank():
 def identity(pid=None):
     """`LAUNCHER_ENV`'s value for process `pid` (default: this one): host, pid, start time."""
     pid = pid or os.getpid()
-    stat = _stat(pid)
+    stat = process_stat(pid)
     return f"{socket.gethostname()}:{pid}:{stat[2] if stat else 0}"
 
 

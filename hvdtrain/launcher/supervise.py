@@ -17,6 +17,7 @@ import time
 
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
+from hvdtrain.orphan import process_stat
 from hvdtrain.stall import stall_shutdown_seconds
 from hvdtrain.startup import noise_unwanted
 from hvdtrain.watchdog import without_marker
@@ -199,14 +200,9 @@ def _stopped_ranks(root):
     horovodrun starts each rank in a session of its own (Linux: /proc)."""
     parent, state = {}, {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, ...
-            parent[int(entry)], state[int(entry)] = int(fields[1]), fields[0]
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
+        stat = process_stat(int(entry)) if entry.isdigit() else None
+        if stat:  # (None: gone meanwhile)
+            state[int(entry)], parent[int(entry)] = stat[0], stat[1]
     out = {}
     for pid, st in state.items():
         ancestor = parent.get(pid)
