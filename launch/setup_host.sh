@@ -124,7 +124,7 @@ fi
 echo "setup_host: TensorFlow $tf_version on $("$python" -V) ($python) into $venv"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "dependency resolver" -e "requires tensorflow" >&2); }
+quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "dependency resolver" -e "requires tensorflow" -e "^mlxtend .* requires" >&2); }
 quiet "${pip[@]}" install -q --upgrade "pip<25" >/dev/null
 quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel setuptools packaging
 # tf-keras requires `tensorflow`, which would install the full wheel beside tensorflow-cpu.
