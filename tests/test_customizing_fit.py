@@ -617,8 +617,8 @@ def test_a_gan_under_local_sgd_exchanges_both_optimizers_state_to_one_digest(sha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "sync", [[], ["--sync", "local", "--sync-every", "3", "--commit-every", "2"]]
+@pytest.mark.parametrize(  # elastic's synchronous mode: test_elastic.py
+    "sync", [["--sync", "local", "--sync-every", "3", "--commit-every", "2"]], ids=["local"]
 )
 def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(sync, tmp_path):
     """`--elastic` on two hosts of this machine; rank 1 kills itself after step 12 (epoch 2):

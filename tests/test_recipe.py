@@ -83,8 +83,7 @@ def uninterrupted(files, tmp_path_factory, shared_jobs):
 @pytest.mark.parametrize(
     "backend, form",
     [
-        ("gloo", "keras3-tfrecord"),
-        ("gloo", "arrays+local"),  # killed between two exchanges of weights
+        ("gloo", "keras3-tfrecord"),  # killed between two exchanges of weights
         ("mpi", "keras3+diloco"),
         ("mpi", "batches+local:overlap"),  # an exchange in flight when killed
         ("gloo", "keras3-batches+diloco:overlap"),

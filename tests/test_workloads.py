@@ -6,7 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import run_job, worker
+from conftest import worker
 
 from hvdtrain.errors import HvdtrainError
 
@@ -153,10 +153,11 @@ def test_images_with_local_weights_freezes_the_base(keras, tmp_path):
     assert len(model.trainable_weights) == 2  # the new head only
 
 
-def test_cifar10_resnet50_trains_a_few_steps(tmp_path):
-    metrics = tmp_path / "m.json"
-    run_job(1, "none", ["-m", "hvdtrain.cifar10", "--model", "resnet50", "--epochs", "1",
-                        "--limit-samples", "16", "--batch-size", "8",
-                        "--metrics-json", str(metrics)])  # fmt: skip
-    m = json.loads(metrics.read_text())
-    assert m["steps_per_epoch"] == 2 and m["optimizer_iterations"] == 2
+def test_cifar10_resnet50_is_keras_resnet50_for_its_images():
+    """In this process: ResNet-50 trains through `fit` in the ImageNet example's test
+    (test_examples.py, slow); the CIFAR-10 entry point's run is its small ResNet's."""
+    from hvdtrain.cifar10 import build_model
+
+    model = build_model("resnet50")
+    assert model.name == "resnet50" and model.input_shape == (None, 32, 32, 3)
+    assert model.output_shape == (None, 10) and model.count_params() > 23_000_000
