@@ -38,7 +38,7 @@ train: setup
 	horovodrun -np $(NP) -H localhost:$(NP) python -m hvdtrain.mnist --epochs $(EPOCHS) \
 	  --checkpoint-dir $(OUT) --metrics-json $(OUT)/metrics.json
 
-lint: setup
+lint: setup-test
 	ruff check . && ruff format --check .
 
 # The slow scenarios (kills and cuts over many runs, elastic, SLURM, namespace hosts, the Docker

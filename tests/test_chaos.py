@@ -188,13 +188,14 @@ def test_the_soak_deals_its_faults_over_the_matrix_and_sums_the_cells():
     from hvdtrain.bench import soak
 
     matrix = soak.cells("/repo")
-    assert len(matrix) == 14 and set(matrix) == set(soak.CELLS)
+    assert len(matrix) == 16 and set(matrix) == set(soak.CELLS)
     backend, command = matrix["diloco-mpi-k3"]
     assert backend == "mpi" and command[-6:] == ("--sync", "diloco", "--sync-every", "4",
                                                  "--keras", "3")  # fmt: skip
     assert matrix["files-gloo"][1][1] == "/repo/examples/tfrecord_train.py"
+    assert matrix["pydataset-mpi"][1][2] == "hvdtrain.bench.pydataset_job"
     plan = soak.spread(100, list(soak.CELLS))
-    assert sum(plan.values()) == 100 and set(plan.values()) == {7, 8}
+    assert sum(plan.values()) == 100 and set(plan.values()) == {6, 7}
     assert soak.spread(2, ["a", "b", "c"]) == {"a": 1, "b": 1}
     one = {"faults": 2, "survived": 2, "hangs": 0, "left_behind": 0, "tracebacks": 0,
            "checkpoints_lost": 0, "not_injected": 0, "digests_equal": True,

@@ -6,8 +6,9 @@
 Each cell is one chaos run (`hvdtrain.launcher.chaos`: an uninterrupted run, then the same
 command with faults, resumed after each; every kind of fault in turn) on 2 ranks of this
 host: `hvdtrain.mnist --model mlp` (arrays) under `--sync step`, `local` and `diloco`,
-Gloo and MPI, Keras 2 and 3, and examples/tfrecord_train.py (files: its TFRecords, read
-with `hvdtrain.FileData`) under Gloo and MPI. `--faults` are spread over the cells in
+Gloo and MPI, Keras 2 and 3, examples/tfrecord_train.py (files: its TFRecords, read
+with `hvdtrain.FileData`) and `hvdtrain.bench.pydataset_job` (a Keras 3 `PyDataset`) under
+Gloo and MPI. `--faults` are spread over the cells in
 turn. The JSON holds the totals (`faults`, `survived`, `digests_equal`: the cells whose
 final digest equalled the uninterrupted run's, `hangs`, `left_behind`, `tracebacks`,
 `checkpoints_lost`) and every cell's own chaos JSON. Exit status 0 when every fault was
@@ -46,6 +47,8 @@ def cells(root=PACKAGE_ROOT):
     for backend in ("gloo", "mpi"):
         command = ("python", script, "--epochs", "1", "--checkpoint-every", "8")
         out[f"files-{backend}"] = (backend, command)
+        command = ("python", "-m", "hvdtrain.bench.pydataset_job", "--checkpoint-every", "4")
+        out[f"pydataset-{backend}"] = (backend, command)
     return out
 
 
