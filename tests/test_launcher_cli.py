@@ -426,6 +426,8 @@ def test_sigterm_ends_a_real_mpirun_job(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, output
+    assert "hvdtrain-run: received SIGTERM and passed it to the job, which ended" in output
+    assert "killed by signal" not in output  # (a rank named as the first to fail: misleading)
     deadline = time.monotonic() + 30
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

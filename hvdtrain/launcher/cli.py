@@ -37,7 +37,9 @@ Exit status: the job's own (non-zero when any rank fails); 128+N when it died of
 2 for a mistake in the options, printed as one line; 5 when a host does not answer ssh
 before the launch; 255 when one was lost during the job (see `failures`: a rank's failure
 gives the launcher HVDTRAIN_LAUNCHER_GRACE_SECONDS, 30, to end before hvdtrain-run ends
-it). SIGINT and SIGTERM are forwarded to the job's whole process group. `--dry-run` prints
+it). SIGINT and SIGTERM are forwarded to the job's whole process group; the job's end is
+then one line, `hvdtrain-run: received SIGTERM and passed it to the job, which ended`, with
+the job's status (a preemption is not a rank's failure). `--dry-run` prints
 the command as one shell line and exits 0; values of variables and options that look
 secret (*SECRET*, *TOKEN*, *KEY*, *PASSWORD*) are never printed.
 """

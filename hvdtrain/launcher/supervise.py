@@ -29,7 +29,9 @@ PROG = "hvdtrain-run"  # the launcher's name, at the start of its lines
 
 def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None):
     """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
-    group; returns its exit code (128+N when it died of signal N).
+    group; returns its exit code (128+N when it died of signal N). A job that ends after the
+    launcher got a signal and passed it on gets one line saying so, not which rank ended
+    first.
 
     With `hosts` (the host of each rank), the launcher's stderr passes through a
     `failures.OutputFilter`: its own traceback after a failed rank is left out and, when
@@ -48,12 +50,14 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     the job with it, in one line naming it (exit 124): its watchdog cannot run, and where
     no other rank waits for it (past the job's last collective) nothing else would end it."""
     child, pending, timers, ended, notes, stopped = [], [], [], [], [], []
+    received = []  # the signals forwarded to the job (a preemption, a kill, Ctrl-C)
     lock, done = threading.Lock(), threading.Event()
     ending_dir = tempfile.mkdtemp(prefix="hvdtrain-run-") if grace and hosts else None
     if ending_dir:
         env = {**env, ENDING_DIR_ENV: ending_dir, ENDING_HOST_ENV: socket.gethostname()}
 
     def forward(signum, frame):
+        received.append(signum)
         if not child:  # not started yet: pass it on as soon as it is
             pending.append(signum)
             return
@@ -157,6 +161,11 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
     if stopped:
         print(f"{PROG}: {stopped[0]}", file=sys.stderr, flush=True)
         return failures.STALLED
+    if received and code:  # the job ended because it was told to, not by a rank's failure
+        name = signal.Signals(received[0]).name
+        print(f"{PROG}: received {name} and passed it to the job, which ended", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return code
     if watch and code:
         failure = failures.find_failure(watch.seen, hosts)
         down = probe() if probe and not (failure and failure.exit_code == 255) else {}
