@@ -184,8 +184,10 @@ class CommitStateCallback(hvd_keras.elastic.CommitStateCallback):
     execution of several steps) and at each epoch end, calling `on_commit()` first (the
     commit itself may then raise `HostsUpdatedInterrupt`); after `UpdateBatchStateCallback`.
 
-    With `ready` (`() -> bool`), a commit waits for a point where it is True: under `--sync
-    local/diloco`, the first exchange after the steps (the ranks differ between exchanges).
+    With `ready` (`() -> bool`, called on every rank where a commit is due), a commit waits
+    for a point where it is True: under `--sync local/diloco`, the first exchange after the
+    steps (the ranks differ between exchanges); with `--sync-overlap`, at once
+    (`Exchange.ready_to_commit`).
 
     The epoch's last step is not committed on its own: Horovod's version commits it, then
     the epoch end again, and a failure between the two (in the epoch-end evaluation) would
@@ -201,10 +203,11 @@ class CommitStateCallback(hvd_keras.elastic.CommitStateCallback):
         done, every = self.state.batch, self.batches_per_commit
         if done == self.params.get("steps", -1) + self._first:  # on_epoch_end commits next
             return
+        if done // every <= self._committed // every:
+            return
         if self.ready is not None and not self.ready():  # --sync local: at exchanges only
             return
-        if done // every > self._committed // every:
-            self.commit()
+        self.commit()
 
     def on_train_begin(self, logs=None):
         self._first = self._committed = self.state.batch
@@ -475,7 +478,7 @@ def run(recipe):
         record.started()
         # The ranks agree at exchanges only under --sync local/diloco: commits wait for one.
         commit = CommitStateCallback(
-            state, recipe.cfg.commit_every, record.committed, recipe.built.exchange.in_agreement
+            state, recipe.cfg.commit_every, record.committed, recipe.built.exchange.ready_to_commit
         )
         # Horovod: epoch and step into the state, then checkpoint, then commit.
         recipe.train(

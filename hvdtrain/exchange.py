@@ -31,7 +31,9 @@ mode is a new subclass. Under the two that exchange less:
   the weights alone (a third of the bytes under Adam).
 - **Between exchanges** the ranks differ by design: the check that they agree
   (`hvdtrain.agreement`) runs after the run's first exchange, at epoch ends and before each
-  checkpoint, all of them exchanges; an elastic run commits at exchanges only.
+  checkpoint, all of them exchanges; an elastic run commits at exchanges only (the first
+  after a commit falls due; with `--sync-overlap`, where the ranks agree only at whole
+  exchanges, a due commit makes one).
 """
 
 import threading
@@ -104,7 +106,7 @@ class Exchange:
     The order of the calls: `steps_per_execution` and `check_policy` before the model's
     optimizers are distributed, `attach` once they are, `holders` for the checkpoints and
     the broadcast, `begin` at every (re)start, `callbacks` for each `fit`, `before_checkpoint`
-    before a mid-epoch checkpoint, `in_agreement` where an elastic run would commit, and
+    before a mid-epoch checkpoint, `ready_to_commit` where an elastic commit is due, and
     `describe` / `summary` for the run's first line and its metrics JSON.
     """
 
@@ -144,6 +146,11 @@ class Exchange:
     def in_agreement(self):
         """True when the ranks hold the same model now."""
         return True
+
+    def ready_to_commit(self):
+        """Every rank, at a step where an elastic commit is due: True when the ranks hold one
+        model and may commit here; False to wait for a later step."""
+        return self.in_agreement()
 
     def describe(self):
         """Its part of the run's first line ("" for none)."""
@@ -233,6 +240,12 @@ class LocalSGD(Exchange):
             if global_step >= self.warmup:
                 self.syncing = False
                 self.gate.on.assign(False)
+                # The anchor where the local steps begin, as a run resumed here sets it: an
+                # anchor left at the warmup's start gives the same mean in other roundings,
+                # and a resume at or before the warmup's end another model (found by
+                # `hvdtrain-run chaos`).
+                for a, w in zip(self.anchor, self.weights, strict=True):
+                    a.assign(w)
             return False
         if exchange_due(step_in_epoch, steps_per_epoch, self.every):
             return self.now()
@@ -453,6 +466,13 @@ class _Overlapped:
 
     def in_agreement(self):
         return self.pending is None and super().in_agreement()
+
+    def ready_to_commit(self):
+        """Between whole exchanges an exchange is always in flight, so the ranks never agree
+        there: a due commit makes them agree at once (the whole exchange of a checkpoint)."""
+        if not self.in_agreement():
+            self.now(whole=True)
+        return True
 
     def now(self, whole=False):
         """At an exchange point (every rank, the same `whole`): a round's exchange started in

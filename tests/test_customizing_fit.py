@@ -618,13 +618,20 @@ def test_a_gan_under_local_sgd_exchanges_both_optimizers_state_to_one_digest(sha
 
 @pytest.mark.slow
 @pytest.mark.parametrize(  # elastic's synchronous mode: test_elastic.py
-    "sync", [["--sync", "local", "--sync-every", "3", "--commit-every", "2"]], ids=["local"]
-)
-def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(sync, tmp_path):
+    "sync, restored",
+    [(["--sync", "local", "--sync-every", "3", "--commit-every", "2"], 11),
+     (["--sync", "local", "--sync-every", "3", "--commit-every", "2", "--sync-overlap"], 10)],
+    ids=["local", "local-overlap"],
+)  # fmt: skip
+def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(
+    sync, restored, tmp_path
+):
     """`--elastic` on two hosts of this machine; rank 1 kills itself after step 12 (epoch 2):
     the survivor rolls both optimizers back to the last commit and trains on alone. Under
     `--sync local` (epoch 1 synchronous, then an exchange every 3 steps) a commit waits for
-    an exchange: the last is 3 steps into epoch 2, not 4."""
+    an exchange: the last is 3 steps into epoch 2, not 4. With `--sync-overlap` the ranks
+    agree only at whole exchanges, and a due commit makes one: at step 10 (waiting for one
+    would go back to epoch 1's end, step 8)."""
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     argv = [run, "--elastic", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--",
             sys.executable, WORKER, "--elastic", "--keras", "3", "--models", "gan",
@@ -641,8 +648,7 @@ def test_a_gan_under_elastic_goes_on_from_the_last_commit_when_a_rank_is_lost(sy
     assert m["size"] == 1 and m["status"] == "finished"
     (reset,) = m["elastic"]["resets"]
     assert reset["restored"]["step"] == reset["last_commit"]["step"] <= 12
-    if sync:
-        assert reset["restored"]["step"] == 11 and m["sync"]["exchanges"] > 0
+    assert reset["restored"]["step"] == restored and m["sync"]["exchanges"] > 0
     # Both optimizers rolled back with the weights: the steps of 2 ranks before the commit,
     # then 1 rank's (16 a epoch) from there to the end of epoch 3.
     before = reset["restored"]["step"]
