@@ -141,6 +141,54 @@ def test_the_chaos_command_never_imports_tensorflow():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.timeout(120)
+def test_chaos_ended_by_sigterm_leaves_no_job_and_no_tmpfs(tmp_path):
+    """SIGTERM to chaos itself (the soak stopped, a scheduler) while its first run trains:
+    the job's processes end with it, and the full-disk fault's tmpfs is not left mounted over
+    the checkpoint folder (root only: the tmpfs)."""
+    import os
+    import signal
+    import time
+    import uuid
+
+    if os.geteuid() != 0:
+        pytest.skip("the full-disk fault's tmpfs needs root")
+    ckpt, marker = str(tmp_path / "work" / "chaos"), uuid.uuid4().hex
+    mounted = lambda: any(line.split()[1] == ckpt for line in open("/proc/mounts"))  # noqa: E731
+    proc = subprocess.Popen(
+        [f"{BIN}/hvdtrain-run", "chaos", "-np", "2", "--faults", "1", "--kinds", "full-disk",
+         "--workdir", str(tmp_path / "work"), "--", "python", "-c",
+         f"import time; time.sleep(100)  # {marker}"],
+        env=job_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (mounted() and len(_running(marker)) >= 4) and time.monotonic() < deadline:
+            time.sleep(0.1)  # chaos, hvdtrain-run, its launcher and a rank
+        assert mounted() and len(_running(marker)) >= 4, "the first run did not start"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not mounted()
+    assert not _running(marker)
+
+
+def _running(marker):
+    """The processes whose command line holds `marker` (Linux: /proc)."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def _chaos(tmp_path, *options, timeout):
     report = tmp_path / "chaos.json"
     proc = subprocess.run(

@@ -228,7 +228,7 @@ def test_a_full_disk_during_a_checkpoint_ends_every_rank_and_keeps_the_previous(
         # Epoch 1's checkpoint is all of an --epochs 1 job: evaluated, not trained again.
         assert "is after epoch 1: all 1 epoch(s) trained" in again.stdout + again.stderr
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(disk)], check=False)  # -l: even while busy
 
 
 @pytest.mark.timeout(240)

@@ -404,7 +404,10 @@ def _fill(folder):
 class _Job:
     """One run of the command under hvdtrain-run, its output in `log`."""
 
+    started = []  # every job of this process: ended with chaos itself (`run`)
+
     def __init__(self, argv, env, log):
+        _Job.started.append(self)
         self.marker = uuid.uuid4().hex
         self.log = log
         self.started = time.monotonic()
@@ -692,6 +695,10 @@ def _parse(argv):
     return args
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run(args):
     """The chaos run of parsed `args`; returns the exit status."""
     workdir = args.workdir or tempfile.mkdtemp(prefix="hvdtrain-chaos-")
@@ -708,9 +715,16 @@ def run(args):
             print(f"{PROG}: full-disk left out: {why}", flush=True)
             kinds = tuple(k for k in kinds if k != "full-disk")
         mounted = why is None
+    # A SIGTERM to chaos itself (a scheduler, the soak stopped) runs the `finally` too: no
+    # process of the job left running, no tmpfs left mounted over the folder.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         ok = _run(args, kinds, workdir, ckpt)
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        for job in _Job.started:
+            if not job.ended():
+                job.wait_end(0)
         if mounted:
             subprocess.run(["umount", "-l", ckpt], capture_output=True, timeout=30)
     if ok and not args.workdir:
