@@ -589,8 +589,12 @@ def test_projection_of_exchanging_less_moves_the_weights_every_h_steps():
 
     work = [{"name": "w", "params": 1e6, "compute_seconds": 0.01}]
     rows = exchange_less(work, every=(16,), bandwidths=(25 * GBIT,), gpus=(8,))
-    step, h16 = rows
+    step, h16, overlapped = rows
     assert step["mode"] == "step" and h16["mode"] == "H=16"
+    assert overlapped["mode"] == "H=16, overlapped"
+    # 16 steps of 10 ms hide the 2.24 ms exchange whole; a 1 s exchange gets 0.16 of 1 s
+    assert overlapped["efficiency"][8] == 1.0
+    assert efficiency(0.01, 8e9 / 14, 8, 1e9, 16, overlap=True) == pytest.approx(0.16)
     assert step["efficiency"][8] == pytest.approx(efficiency(0.01, 4e6, 8, 25 * GBIT))
     # the weights, 4 MB every 16 steps (the optimizer's state at epoch ends only)
     assert h16["efficiency"][8] == pytest.approx(efficiency(0.01, 4e6, 8, 25 * GBIT, 16))
