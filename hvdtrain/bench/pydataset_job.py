@@ -12,6 +12,8 @@ import numpy as np
 
 import hvdtrain
 
+__all__ = ["Samples", "build_model", "main"]
+
 FEATURES, CLASSES = 20, 4
 
 
