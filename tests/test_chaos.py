@@ -2,8 +2,12 @@
 real chaos runs on a small script."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 from conftest import BIN, job_env, worker
@@ -146,11 +150,6 @@ def test_chaos_ended_by_sigterm_leaves_no_job_and_no_tmpfs(tmp_path):
     """SIGTERM to chaos itself (the soak stopped, a scheduler) while its first run trains:
     the job's processes end with it, and the full-disk fault's tmpfs is not left mounted over
     the checkpoint folder (root only: the tmpfs)."""
-    import os
-    import signal
-    import time
-    import uuid
-
     if os.geteuid() != 0:
         pytest.skip("the full-disk fault's tmpfs needs root")
     ckpt, marker = str(tmp_path / "work" / "chaos"), uuid.uuid4().hex
@@ -176,8 +175,6 @@ def test_chaos_ended_by_sigterm_leaves_no_job_and_no_tmpfs(tmp_path):
 
 def _running(marker):
     """The processes whose command line holds `marker` (Linux: /proc)."""
-    import os
-
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

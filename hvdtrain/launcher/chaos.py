@@ -404,10 +404,10 @@ def _fill(folder):
 class _Job:
     """One run of the command under hvdtrain-run, its output in `log`."""
 
-    started = []  # every job of this process: ended with chaos itself (`run`)
+    instances = []  # every job of this process: ended with chaos itself (`run`)
 
     def __init__(self, argv, env, log):
-        _Job.started.append(self)
+        _Job.instances.append(self)
         self.marker = uuid.uuid4().hex
         self.log = log
         self.started = time.monotonic()
@@ -722,9 +722,8 @@ def run(args):
         ok = _run(args, kinds, workdir, ckpt)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for job in _Job.started:
-            if not job.ended():
-                job.wait_end(0)
+        for job in _Job.instances:
+            job.wait_end(0)  # (a job already ended: nothing to do)
         if mounted:
             subprocess.run(["umount", "-l", ckpt], capture_output=True, timeout=30)
     if ok and not args.workdir:
