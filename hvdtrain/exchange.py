@@ -179,7 +179,10 @@ class LocalSGD(Exchange):
         self.every = cfg.exchange_every
         self.warmup_flag = cfg.sync_warmup_steps
         self.compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
-        self.gate = Gate()
+        # The gradients' gate, by `attach`: a variable made here (before `hvdtrain.init`)
+        # started TensorFlow, which then kept its default threads (as many as the host's
+        # cores, on every rank) and ran local SGD at -np 2 at about 0.7 of `--sync step`.
+        self.gate = None
         # Set by `attach`: the trainable weights, the model's other float state (BatchNorm's
         # statistics: averaged at every exchange), the optimizers' float state (averaged at
         # whole exchanges only), the anchor (the weights where the ranks last agreed).
@@ -202,6 +205,7 @@ class LocalSGD(Exchange):
 
     def attach(self, model, optimizers):
         optimizers = list(optimizers)
+        self.gate = Gate()
         for opt in optimizers:
             optim.gate_gradients(opt, self.gate)
         self.weights = optim.tf_variables(model.trainable_variables)

@@ -10,6 +10,8 @@ test_recipe.py; a GAN: test_customizing_fit.py; elastic: test_customizing_fit.py
 """
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -68,6 +70,26 @@ def test_one_strategy_per_mode_built_from_the_config(mode, cls):
     assert type(strategy).__name__ == cls and strategy.mode == mode
     assert strategy.exchanges_rarely == (mode != "step")
     assert strategy.steps_per_execution(16) == (16 if mode == "step" else 8)
+
+
+def test_building_a_strategy_leaves_tensorflow_unstarted_for_hvdtrain_init():
+    """`hvdtrain.fit` builds the strategy before `hvdtrain.init` sets TensorFlow's threads: a
+    variable made then started TensorFlow with its default threads, and local SGD ran at
+    about 0.7 of the synchronous mode at -np 2."""
+    code = (
+        "from hvdtrain import exchange\n"
+        "from hvdtrain.flags import make_config\n"
+        "for mode in ('step', 'local', 'diloco'):\n"
+        "    for overlap in (False, True):\n"
+        "        extra = {'sync_every': 8, 'sync_overlap': overlap} if mode != 'step' else {}\n"
+        "        exchange.for_config(make_config(sync=mode, **extra))\n"
+        "import tensorflow as tf\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(1)\n"  # raises once started
+        "print('unstarted')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "unstarted" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_the_synchronous_strategy_does_nothing_between_steps():
