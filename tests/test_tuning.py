@@ -67,6 +67,46 @@ def test_background_threads_batch_on_cpu_hosts_only():
         tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "fast"}, False)
 
 
+def test_ranks_are_bound_to_their_share_of_the_cores_only_where_nothing_bound_them():
+    cores = tuning.cores_for_rank
+    assert cores({}, False, {0, 1}, 2, 0, 2) == {0} and cores({}, False, {0, 1}, 2, 1, 2) == {1}
+    assert cores({}, False, set(range(8)), 8, 2, 4) == {4, 5}
+    assert cores({}, False, set(range(8)), 8, 1, 3) == {2, 3}  # 8 // 3 each; 6 and 7 spare
+    assert cores({}, False, {0, 1, 2, 3}, 4, 0, 1) is None  # one rank: nothing to share
+    assert cores({}, False, {0, 1}, 2, 2, 3) is None  # more ranks than cores
+    assert cores({}, False, {2, 3}, 8, 0, 2) is None  # bound already (mpirun, SLURM, cpuset)
+    assert cores({}, True, {0, 1}, 2, 0, 2) is None  # GPU hosts: as they are
+    assert cores({"HVDTRAIN_CPU_BIND": "cores"}, True, {0, 1}, 2, 1, 2) == {1}
+    assert cores({"HVDTRAIN_CPU_BIND": "None"}, False, {0, 1}, 2, 0, 2) is None
+    with pytest.raises(HvdtrainError, match="HVDTRAIN_CPU_BIND`: received 'core'"):
+        cores({"HVDTRAIN_CPU_BIND": "core"}, False, {0, 1}, 2, 0, 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_bind_sets_the_cores_of_the_threads_given():
+    import threading
+
+    ready, stop, seen = threading.Event(), threading.Event(), []
+
+    def thread():
+        seen.append(threading.get_native_id())
+        ready.set()
+        stop.wait(30)
+
+    t = threading.Thread(target=thread)
+    t.start()
+    ready.wait(30)
+    try:
+        one = {min(os.sched_getaffinity(0))}
+        assert tuning.bind(seen, one) == seen
+        assert os.sched_getaffinity(seen[0]) == one
+        assert os.sched_getaffinity(0) != one or len(os.sched_getaffinity(0)) == 1
+        assert tuning.bind(seen, None) == []
+    finally:
+        stop.set()
+        t.join()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
 def test_set_policy_changes_only_the_threads_given():
     import threading
