@@ -643,3 +643,47 @@ def test_accuracy_study_reuses_a_finished_run_made_with_the_same_arguments(tmp_p
     assert _done(metrics, args) is None  # killed or stopped: run again
     (tmp_path / "local_H=4-seed0.json").write_text("{")
     assert _done(metrics, args) is None  # cut short
+
+
+def test_modes_benchmark_plans_the_ceiling_first_and_reads_rank_0s_epoch_lines():
+    from hvdtrain.bench.modes import CEILING, epoch_rates, markdown, plan, ratios, steady
+
+    jobs = plan([16], ["mpi"], ["local"])
+    assert jobs == [
+        (CEILING, None, []),
+        ("step mpi", "mpi", []),
+        ("local H=16 mpi", "mpi", ["--sync", "local", "--sync-every", "16"]),
+        ("local H=16 overlap mpi", "mpi", ["--sync", "local", "--sync-every", "16",
+                                           "--sync-overlap"]),
+    ]  # fmt: skip
+    assert len(plan([4, 16], ["mpi", "gloo"], overlap=False)) == 1 + 2 * (1 + 2 * 2)
+    text = (
+        "[1,0]<stderr>:hvdtrain: epoch 1/3: 452 steps after the first 16 in 4.0 s, 14,585 "
+        "samples/s; loss 0.2568\n[1,0]<stderr>:hvdtrain: epoch 1/3: step 100/468 (21%), "
+        "9,000 samples/s, ETA 3 s\nhvdtrain: epoch 2/3: 468 steps in 3.2 s, 18,858 samples/s;"
+        " loss 0.08\nhvdtrain: epoch 3/3: 468 steps in 3.0 s, 20,000 samples/s; loss 0.07\n"
+    )  # a progress line within an epoch is not an epoch's figure
+    assert epoch_rates(text) == {1: 14585.0, 2: 18858.0, 3: 20000.0}
+    assert steady(epoch_rates(text)) == 19429.0  # the first epoch left out
+    assert steady({1: 5.0}) == 5.0 and steady({}) is None
+    rounds = [{CEILING: 40000.0, "step mpi": 30000.0}, {CEILING: 50000.0, "step mpi": 40000.0}]
+    assert ratios(rounds) == {"step mpi": [0.75, 0.8]}
+    table = markdown(rounds)
+    assert "| step mpi | 35,000 | 0.75, 0.80 | 0.78 |" in table
+    assert "| ceiling | 45,000 |  |  |" in table
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [(["--modes", "step"], "--modes"), (["--backends", "nccl"], "--backends"),
+     (["--every", "0"], "--every"), (["--rounds", "0"], "--rounds"),
+     (["--samples", "100"], "--samples"), (["--data-dir", "/nonexistent"], "--data-dir")],
+)  # fmt: skip
+def test_modes_benchmark_rejects_bad_options_before_starting(argv, match, capsys):
+    from hvdtrain.bench import modes
+
+    with pytest.raises(SystemExit) as done:
+        modes.main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"Invalid value for `{match}`" in err
+    assert "Traceback" not in err
