@@ -150,8 +150,15 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     assert out.count("0.1 1 True") == 2, out
     out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2").stdout
     assert out.count("2 1 True") == 2, out  # the user's cycle time wins
-    out = run_job(1, "none", [str(script)]).stdout
-    assert "rank 0 None 1 True" in out, out
+    proc = run_job(1, "none", [str(script)])
+    assert "rank 0 None 1 True" in proc.stdout, proc.stdout
+    assert "TensorFlow started before" not in proc.stderr
+    late = tmp_path / "late.py"  # TensorFlow started first: its threads can no longer be set
+    late.write_text("import tensorflow as tf, hvdtrain\ntf.Variable(1.0)\n"
+                    "hvdtrain.init()\nhvdtrain.init()\n")  # fmt: skip
+    err = run_job(1, "none", [str(late)]).stderr
+    assert err.count("TensorFlow started before hvdtrain.init()") == 1, err  # once
+    assert "call hvdtrain.init() before anything of TensorFlow's" in err
 
 
 def test_a_longer_cycle_where_ranks_exchange_every_h_steps_only():
