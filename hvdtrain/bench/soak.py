@@ -12,7 +12,8 @@ Gloo and MPI. `--faults` are spread over the cells in
 turn. The JSON holds the totals (`faults`, `survived`, `digests_equal`: the cells whose
 final digest equalled the uninterrupted run's, `hangs`, `left_behind`, `tracebacks`,
 `checkpoints_lost`) and every cell's own chaos JSON. Exit status 0 when every fault was
-survived and every digest equal. It never imports TensorFlow. On a quiet 2-core host
+survived and every digest equal. It never imports TensorFlow, and its jobs never download
+(HVDTRAIN_OFFLINE=1: the embedded digits). On a quiet 2-core host
 `--faults 128` (121 injected) took 36 minutes; other work beside it slows it a lot.
 """
 
@@ -119,7 +120,10 @@ def _soak(args, plan):
                 *command]  # fmt: skip
         print(f"{PROG}: {name}: {faults} faults ...", file=sys.stderr, flush=True)
         with open(os.path.join(folder, "chaos.out"), "w") as out:
-            code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder).returncode
+            offline = {**os.environ, "HVDTRAIN_OFFLINE": "1"}  # a benchmark never downloads
+            code = subprocess.run(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=offline
+            ).returncode
         try:
             with open(report) as f:
                 reports[name] = json.load(f)
