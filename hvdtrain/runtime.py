@@ -120,8 +120,8 @@ def init(
     before `hvd.init()`, where the environment does not set them, a 0.1 ms Horovod cycle
     (with more than one rank) and MPI waits that yield the core; after it, on CPU-only
     hosts, Horovod's background threads are scheduled SCHED_BATCH, so they do not preempt
-    the compute at every wake-up, and where nothing bound the ranks to cores, each rank's
-    threads are bound to its share of the host's cores (HVDTRAIN_CPU_BIND=none: not).
+    the compute at every wake-up. With HVDTRAIN_CPU_BIND=cores, where nothing bound the
+    ranks to cores, each rank's threads are bound to its share of the host's cores.
 
     Args:
         threads: intra-op threads per rank; by default the host's cores / local ranks.
@@ -171,11 +171,8 @@ def init(
         )
     cpus = os.cpu_count() or 1
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    gpus = tf.config.list_physical_devices("GPU")
     if allowed is not None:
-        cores = tuning.cores_for_rank(
-            os.environ, bool(gpus), allowed, cpus, hvd.local_rank(), hvd.local_size()
-        )
+        cores = tuning.cores_for_rank(os.environ, allowed, cpus, hvd.local_rank(), hvd.local_size())
         if cores and tuning.bind(tuning.thread_ids(), cores):  # see hvdtrain.tuning
             allowed = cores
     n = threads or threads_per_rank(cpus, hvd.local_size(), allowed and len(allowed))
@@ -193,6 +190,7 @@ def init(
                 n,
             )
     _initialised = True
+    gpus = tf.config.list_physical_devices("GPU")
     policy = tuning.background_policy(os.environ, bool(gpus))
     if policy != "normal":
         tuning.set_policy(horovod_threads, policy)  # see hvdtrain.tuning

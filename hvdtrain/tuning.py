@@ -31,20 +31,18 @@ none of them changes the training math.
   a SCHED_IDLE thread starves when other processes load the machine, and every allreduce
   would then wait for it. GPU hosts keep normal scheduling (the CPU there feeds the input
   pipeline, which the background thread must not wait behind).
-- `cores_for_rank`: after `hvd.init()`, on CPU-only hosts where nothing bound the ranks to
-  cores (`horovodrun` and `hvdtrain-run` start them with `--bind-to none`; a process
-  allowed on all the host's cores), each rank's threads are bound to its own share of the
-  cores, as `mpirun` binds ranks by default. Unbound, each rank's threads (TensorFlow's
-  pools, tf.data's, Horovod's) ran on every core, and the ranks took cores from each
-  other: through `hvdtrain.fit`, the MNIST MLP at -np 2 (MPI, batch 64) ran at about
-  30,000 samples/s synchronous and 23,000 with local SGD (no exchange at all), against
-  32,000-38,000 and 33,000-34,000 bound (one epoch each, 2026-11-29). GPU hosts, and ranks
-  a launcher or a scheduler already bound (`mpirun`'s default, SLURM), are left as they
-  are.
-
+- `cores_for_rank` (opt-in, HVDTRAIN_CPU_BIND=cores): after `hvd.init()`, where nothing
+  bound the ranks to cores (`horovodrun` and `hvdtrain-run` start them with `--bind-to
+  none`; a process allowed on all the host's cores), each rank's threads are bound to its
+  own share of the cores, as `mpirun` binds ranks by default. It pays for a small model
+  whose ranks wait on each other every step: through `hvdtrain.fit`, the MNIST MLP at -np 2
+  (batch 64, `--sync step`) ran at 19,400-23,700 samples/s bound against 15,100-17,200
+  under Gloo, and the same under MPI. It costs where a rank's own threads share the work
+  (an input pipeline that augments): the main job's convnet ran at 648-749 samples/s
+  bound against 724-798 (2026-11-29, runs in turn). So it is not the default.
 The user always wins: variables already set (by hand, `hvdtrain-run --cycle-time-ms`,
 `-x`) are kept, HVDTRAIN_HOROVOD_THREAD=idle|batch|normal chooses the scheduling,
-HVDTRAIN_CPU_BIND=cores|none the binding, and `compile_options(steps_per_execution=...)`
+HVDTRAIN_CPU_BIND=cores the binding, and `compile_options(steps_per_execution=...)`
 overrides.
 """
 
@@ -76,7 +74,7 @@ EXCHANGE_CYCLE_TIME_MS = 1.0
 _SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 _THREAD_ENV = "HVDTRAIN_HOROVOD_THREAD"  # "batch" (default on CPU-only hosts), "idle", "normal"
 _POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
-_BIND_ENV = "HVDTRAIN_CPU_BIND"  # "cores" (default on CPU-only hosts) or "none"
+_BIND_ENV = "HVDTRAIN_CPU_BIND"  # "cores", or "none" (the default)
 
 
 def compile_options(steps_per_epoch=None, steps_per_execution=None):
@@ -182,13 +180,11 @@ def set_policy(tids, policy):
     return done
 
 
-def cores_for_rank(environ, has_gpu, allowed, cpu_count, local_rank, local_size):
+def cores_for_rank(environ, allowed, cpu_count, local_rank, local_size):
     """The cores this rank's threads are bound to, or None to leave them as they are (pure).
 
     Args:
-        environ: read for HVDTRAIN_CPU_BIND ("cores": bind, the default on CPU-only hosts;
-            "none": never).
-        has_gpu: GPU hosts are left as they are unless HVDTRAIN_CPU_BIND=cores.
+        environ: read for HVDTRAIN_CPU_BIND ("cores": bind; "none", the default: never).
         allowed: the cores the process may run on now (`os.sched_getaffinity(0)`).
         cpu_count: the host's cores (`os.cpu_count()`).
         local_rank, local_size: this rank among the host's ranks.
@@ -200,7 +196,7 @@ def cores_for_rank(environ, has_gpu, allowed, cpu_count, local_rank, local_size)
     choice = environ.get(_BIND_ENV, "").strip().lower()
     if choice not in ("", "cores", "none"):
         raise invalid_value(_BIND_ENV, environ[_BIND_ENV], "cores or none")
-    if choice == "none" or (has_gpu and choice != "cores"):
+    if choice != "cores":
         return None
     allowed = sorted(allowed)
     share = len(allowed) // max(1, local_size)

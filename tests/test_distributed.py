@@ -37,20 +37,6 @@ def test_shards_are_disjoint_cover_the_data_and_give_equal_steps(ranks):
         assert seen != sorted(seen)  # shuffled
 
 
-def test_each_rank_runs_on_its_own_share_of_the_cores(ranks):
-    """`hvdtrain.init` binds each rank of a CPU-only host to its own cores where nothing
-    bound them (the shared job's launchers start them unbound, as `hvdtrain-run` does)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) != os.cpu_count() or len(cores) < 2:  # this process is bound: left alone
-        assert all(r["cores"] == cores for r in ranks)
-        return
-    share = len(cores) // 2
-    assert [len(r["cores"]) for r in ranks] == [share, share]
-    assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
-    assert set(ranks[0]["cores"]) | set(ranks[1]["cores"]) <= set(cores)
-    assert [r["threads"] for r in ranks] == [share, share]
-
-
 def test_broadcast_then_training_leave_identical_weights(ranks):
     assert ranks[0]["digest_init"] != ranks[1]["digest_init"]  # different seeds per rank
     assert ranks[0]["digest_broadcast"] == ranks[1]["digest_broadcast"]

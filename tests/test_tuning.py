@@ -67,19 +67,19 @@ def test_background_threads_batch_on_cpu_hosts_only():
         tuning.background_policy({"HVDTRAIN_HOROVOD_THREAD": "fast"}, False)
 
 
-def test_ranks_are_bound_to_their_share_of_the_cores_only_where_nothing_bound_them():
+def test_ranks_are_bound_to_their_share_of_the_cores_when_asked_where_nothing_bound_them():
+    on = {"HVDTRAIN_CPU_BIND": "cores"}
     cores = tuning.cores_for_rank
-    assert cores({}, False, {0, 1}, 2, 0, 2) == {0} and cores({}, False, {0, 1}, 2, 1, 2) == {1}
-    assert cores({}, False, set(range(8)), 8, 2, 4) == {4, 5}
-    assert cores({}, False, set(range(8)), 8, 1, 3) == {2, 3}  # 8 // 3 each; 6 and 7 spare
-    assert cores({}, False, {0, 1, 2, 3}, 4, 0, 1) is None  # one rank: nothing to share
-    assert cores({}, False, {0, 1}, 2, 2, 3) is None  # more ranks than cores
-    assert cores({}, False, {2, 3}, 8, 0, 2) is None  # bound already (mpirun, SLURM, cpuset)
-    assert cores({}, True, {0, 1}, 2, 0, 2) is None  # GPU hosts: as they are
-    assert cores({"HVDTRAIN_CPU_BIND": "cores"}, True, {0, 1}, 2, 1, 2) == {1}
-    assert cores({"HVDTRAIN_CPU_BIND": "None"}, False, {0, 1}, 2, 0, 2) is None
+    assert cores(on, {0, 1}, 2, 0, 2) == {0} and cores(on, {0, 1}, 2, 1, 2) == {1}
+    assert cores(on, set(range(8)), 8, 2, 4) == {4, 5}
+    assert cores(on, set(range(8)), 8, 1, 3) == {2, 3}  # 8 // 3 each; 6 and 7 spare
+    assert cores(on, {0, 1, 2, 3}, 4, 0, 1) is None  # one rank: nothing to share
+    assert cores(on, {0, 1}, 2, 2, 3) is None  # more ranks than cores
+    assert cores(on, {2, 3}, 8, 0, 2) is None  # bound already (mpirun, SLURM, cpuset)
+    assert cores({}, {0, 1}, 2, 0, 2) is None  # the default: as they are
+    assert cores({"HVDTRAIN_CPU_BIND": "None"}, {0, 1}, 2, 0, 2) is None
     with pytest.raises(HvdtrainError, match="HVDTRAIN_CPU_BIND`: received 'core'"):
-        cores({"HVDTRAIN_CPU_BIND": "core"}, False, {0, 1}, 2, 0, 2)
+        cores({"HVDTRAIN_CPU_BIND": "core"}, {0, 1}, 2, 0, 2)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
@@ -143,15 +143,18 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
         "batch = sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH\n"
         "           for t in os.listdir('/proc/self/task'))\n"
         "line = f\"rank {hvd.rank()} {os.environ.get('HOROVOD_CYCLE_TIME')} \"\n"
-        "line += f\"{os.environ['OMPI_MCA_mpi_yield_when_idle']} {batch > 0}\\n\"\n"
+        "line += f\"{os.environ['OMPI_MCA_mpi_yield_when_idle']} {batch > 0} \"\n"
+        'line += f"cores {len(os.sched_getaffinity(0))}\\n"\n'
         "os.write(1, line.encode())  # one write: mpirun tags each write of a rank\n"
     )
+    every = len(os.sched_getaffinity(0))
     out = run_job(2, "mpi", [str(script)]).stdout
-    assert out.count("0.1 1 True") == 2, out
-    out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2").stdout
-    assert out.count("2 1 True") == 2, out  # the user's cycle time wins
+    assert out.count(f"0.1 1 True cores {every}") == 2, out  # not bound by default
+    out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2", HVDTRAIN_CPU_BIND="cores")
+    share = every // 2 if every == os.cpu_count() else every  # a bound pytest: left alone
+    assert out.stdout.count(f"2 1 True cores {share}") == 2, out.stdout  # the user's cycle
     proc = run_job(1, "none", [str(script)])
-    assert "rank 0 None 1 True" in proc.stdout, proc.stdout
+    assert f"rank 0 None 1 True cores {every}" in proc.stdout, proc.stdout
     assert "TensorFlow started before" not in proc.stderr
     late = tmp_path / "late.py"  # TensorFlow started first: its threads can no longer be set
     late.write_text("import tensorflow as tf, hvdtrain\ntf.Variable(1.0)\n"

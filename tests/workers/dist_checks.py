@@ -23,8 +23,6 @@ else:
 hvdtrain.init()
 rank, size = hvd.rank(), hvd.size()
 res = {"rank": rank, "size": size, "local_rank": hvd.local_rank()}
-res["cores"] = sorted(os.sched_getaffinity(0))  # hvdtrain.tuning.cores_for_rank
-res["threads"] = tf.config.threading.get_intra_op_parallelism_threads()
 
 # Sharding: 1001 samples do not divide by 2 ranks.
 n, batch = 1001, 10
