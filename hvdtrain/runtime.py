@@ -175,7 +175,7 @@ def init(
         cores = tuning.cores_for_rank(os.environ, allowed, cpus, hvd.local_rank(), hvd.local_size())
         if cores and tuning.bind(tuning.thread_ids(), cores):  # see hvdtrain.tuning
             allowed = cores
-    n = threads or threads_per_rank(cpus, hvd.local_size(), allowed and len(allowed))
+    n = threads or threads_per_rank(cpus, hvd.local_size(), len(allowed) if allowed else None)
     global _initialised
     try:
         tf.config.threading.set_intra_op_parallelism_threads(n)

@@ -40,6 +40,7 @@ none of them changes the training math.
   under Gloo, and the same under MPI. It costs where a rank's own threads share the work
   (an input pipeline that augments): the main job's convnet ran at 648-749 samples/s
   bound against 724-798 (2026-11-29, runs in turn). So it is not the default.
+
 The user always wins: variables already set (by hand, `hvdtrain-run --cycle-time-ms`,
 `-x`) are kept, HVDTRAIN_HOROVOD_THREAD=idle|batch|normal chooses the scheduling,
 HVDTRAIN_CPU_BIND=cores the binding, and `compile_options(steps_per_execution=...)`
@@ -60,6 +61,7 @@ __all__ = [
     "background_policy",
     "set_policy",
     "cores_for_rank",
+    "bind_to_cores",
     "bind",
 ]
 
@@ -167,15 +169,21 @@ def background_policy(environ, has_gpu):
 def set_policy(tids, policy):
     """Schedules the threads `tids` with `policy` ("idle": SCHED_IDLE, "batch": SCHED_BATCH,
     "normal": SCHED_OTHER) on Linux; returns those it changed."""
-    done = []
     value = getattr(os, _POLICIES.get(policy, ""), None)
     if value is None or not hasattr(os, "sched_setscheduler"):
-        return done
+        return []
+    return _per_thread(tids, lambda tid: os.sched_setscheduler(tid, value, os.sched_param(0)))
+
+
+def _per_thread(tids, call):
+    """`call(tid)` for each of `tids` in order; the tids it succeeded for (a thread that
+    ended, or a platform that refuses, is left out)."""
+    done = []
     for tid in sorted(tids):
         try:
-            os.sched_setscheduler(tid, value, os.sched_param(0))
+            call(tid)
             done.append(tid)
-        except OSError:  # the thread ended, or the platform refuses
+        except OSError:
             pass
     return done
 
@@ -198,23 +206,23 @@ def cores_for_rank(environ, allowed, cpu_count, local_rank, local_size):
         raise invalid_value(_BIND_ENV, environ[_BIND_ENV], "cores or none")
     if choice != "cores":
         return None
-    allowed = sorted(allowed)
     share = len(allowed) // max(1, local_size)
     if local_size < 2 or share < 1 or len(allowed) != cpu_count:
         return None
-    return set(allowed[local_rank * share : (local_rank + 1) * share])
+    return bind_to_cores(local_rank, share, allowed)
+
+
+def bind_to_cores(local_rank, cores_per_rank, available):
+    """The cores of `local_rank`: its own `cores_per_rank` of the sorted `available` ones
+    (wrapping around when there are more ranks than cores). Pure."""
+    cores = sorted(available)
+    start = (local_rank * cores_per_rank) % len(cores)
+    return {cores[(start + i) % len(cores)] for i in range(min(cores_per_rank, len(cores)))}
 
 
 def bind(tids, cores):
     """Binds the threads `tids` to `cores` (Linux); returns those it bound. Threads they
     start later inherit the binding."""
-    done = []
     if not cores or not hasattr(os, "sched_setaffinity"):
-        return done
-    for tid in sorted(tids):
-        try:
-            os.sched_setaffinity(tid, cores)
-            done.append(tid)
-        except OSError:  # the thread ended, or the platform refuses
-            pass
-    return done
+        return []
+    return _per_thread(tids, lambda tid: os.sched_setaffinity(tid, cores))

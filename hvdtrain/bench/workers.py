@@ -42,6 +42,8 @@ import statistics
 import sys
 import time
 
+from hvdtrain.tuning import bind_to_cores
+
 __all__ = [
     "main",
     "bind_to_cores",
@@ -78,14 +80,6 @@ def local_rank_from_env(environ=None):
         if value.isdigit():
             return int(value)
     return 0
-
-
-def bind_to_cores(local_rank, cores_per_rank, available):
-    """The cores of `local_rank`: its own `cores_per_rank` of the sorted `available` ones
-    (wrapping around when there are more ranks than cores)."""
-    cores = sorted(available)
-    start = (local_rank * cores_per_rank) % len(cores)
-    return {cores[(start + i) % len(cores)] for i in range(min(cores_per_rank, len(cores)))}
 
 
 def _bind():
