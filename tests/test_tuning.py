@@ -1,7 +1,9 @@
 """hvdtrain's performance defaults (`hvdtrain.tuning`): what is set when, and that the
 user's settings win. The measurements behind them are `python -m hvdtrain.bench`'s."""
 
+import contextlib
 import os
+import threading
 
 import pytest
 from conftest import run_job
@@ -82,57 +84,46 @@ def test_ranks_are_bound_to_their_share_of_the_cores_when_asked_where_nothing_bo
         cores({"HVDTRAIN_CPU_BIND": "core"}, {0, 1}, 2, 0, 2)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
-def test_bind_sets_the_cores_of_the_threads_given():
-    import threading
+@contextlib.contextmanager
+def _a_waiting_thread():
+    """A thread of this process that waits until the block ends: its native id."""
+    ready, stop, tids = threading.Event(), threading.Event(), []
 
-    ready, stop, seen = threading.Event(), threading.Event(), []
-
-    def thread():
-        seen.append(threading.get_native_id())
+    def wait():
+        tids.append(threading.get_native_id())
         ready.set()
         stop.wait(30)
 
-    t = threading.Thread(target=thread)
+    t = threading.Thread(target=wait)
     t.start()
     ready.wait(30)
     try:
-        one = {min(os.sched_getaffinity(0))}
-        assert tuning.bind(seen, one) == seen
-        assert os.sched_getaffinity(seen[0]) == one
-        assert os.sched_getaffinity(0) != one or len(os.sched_getaffinity(0)) == 1
-        assert tuning.bind(seen, None) == []
+        yield tids[0]
     finally:
         stop.set()
         t.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_bind_sets_the_cores_of_the_threads_given():
+    with _a_waiting_thread() as tid:
+        one = {min(os.sched_getaffinity(0))}
+        assert tuning.bind([tid], one) == [tid]
+        assert os.sched_getaffinity(tid) == one
+        assert os.sched_getaffinity(0) != one or len(os.sched_getaffinity(0)) == 1
+        assert tuning.bind([tid], None) == []
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
 def test_set_policy_changes_only_the_threads_given():
-    import threading
-
-    ready, stop = threading.Event(), threading.Event()
-    tids = []
-
-    def work():
-        tids.append(threading.get_native_id())
-        ready.set()
-        stop.wait(10)
-
-    t = threading.Thread(target=work)
-    t.start()
-    ready.wait(10)
-    try:
-        assert tids[0] in tuning.thread_ids()
-        assert tuning.set_policy(tids, "idle") == tids
-        assert os.sched_getscheduler(tids[0]) == os.SCHED_IDLE
+    with _a_waiting_thread() as tid:
+        assert tid in tuning.thread_ids()
+        assert tuning.set_policy([tid], "idle") == [tid]
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
         assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
-        assert tuning.set_policy(tids, "batch") == tids
-        assert os.sched_getscheduler(tids[0]) == os.SCHED_BATCH
+        assert tuning.set_policy([tid], "batch") == [tid]
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
         assert tuning.set_policy([2**22 + 12345], "idle") == []  # no such thread: no error
-    finally:
-        stop.set()
-        t.join()
 
 
 def test_init_applies_the_defaults_on_real_ranks(tmp_path):
