@@ -182,7 +182,7 @@ def init(
         tf.config.threading.set_inter_op_parallelism_threads(min(2, n))
     except RuntimeError:  # TensorFlow already started: a second init in one process, or
         if not _initialised:  # something made before the first (local SGD ran 1.5x slower)
-            log.warning(
+            logs.get_logger(hvd.rank()).warning(  # rank 0 alone: every rank would say it
                 "TensorFlow started before hvdtrain.init() (a model, a variable or a tensor "
                 "made first): its threads stay at its defaults (every core, on every rank) "
                 "instead of %d per rank, which slows training on CPUs; call hvdtrain.init() "
