@@ -12,6 +12,7 @@ tracebacks (`hvdtrain.launcher.failures`).
 Standard library only: the launcher imports `same_text`.
 """
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -35,6 +36,11 @@ _JOB_NAMES = (
     ("SLURM_JOB_ID", "SLURM_STEP_ID"),
 )
 STALE_SECONDS = 86400  # older files of failed jobs are removed by the next one
+# A launcher's name for a job comes back: Open MPI's job family is 16 bits of a hash, a Gloo
+# rendezvous a free port. A file of the same name written this long before this process
+# imported hvdtrain is an earlier job's: replaced, never compared.
+EARLIER_JOB_SECONDS = 60
+_STARTED = time.time()
 
 
 def same_text(text):
@@ -62,13 +68,16 @@ def printed_by(kind, value, tb, rank, environ=None):
     return first_to_raise(key, rank, "".join(traceback.format_exception(kind, value, tb)))
 
 
-def first_to_raise(key, rank, text, folder=None):
+def first_to_raise(key, rank, text, folder=None, started=None):
     """Publishes traceback `text` of `rank` for job `key` on this host unless another rank
     did. Returns None when this rank's traceback is to be printed (the first, a different
     one, or no file could be written), else the rank that printed the same one. The file
-    goes to `folder`, by default this user's own folder of the temp folder (mode 0700)."""
+    goes to `folder`, by default this user's own folder of the temp folder (mode 0700); one
+    written `EARLIER_JOB_SECONDS` before `started` (this process's import of hvdtrain) is an
+    earlier job's of the same name, and replaced."""
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     mine = same_text(text)
+    earlier = (_STARTED if started is None else started) - EARLIER_JOB_SECONDS
     try:
         folder = folder or _own_folder()
         name = os.path.join(folder, f"{digest}.traceback")
@@ -76,11 +85,18 @@ def first_to_raise(key, rank, text, folder=None):
         with open(part, "w") as f:
             f.write(f"{rank}\n{mine}")
         try:
-            os.link(part, name)  # whole or not at all: the first rank's, for all to read
-        except FileExistsError:
-            with open(name) as f:
-                first, _, theirs = f.read().partition("\n")
-            return int(first) if theirs == mine and first != str(rank) else None
+            for _ in range(2):
+                try:
+                    os.link(part, name)  # whole or not at all: the first rank's, for all
+                    break
+                except FileExistsError:
+                    with open(name) as f:
+                        if os.fstat(f.fileno()).st_mtime < earlier:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(name)
+                            continue
+                        first, _, theirs = f.read().partition("\n")
+                    return int(first) if theirs == mine and first != str(rank) else None
         finally:
             os.unlink(part)
     except (OSError, ValueError):

@@ -436,6 +436,15 @@ def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path, 
     assert first_to_raise("other job", 0, text.format("ab12"), tmp_path) is None
     assert [p.suffix for p in tmp_path.iterdir()] == [".traceback"] * 2  # nothing else left
     assert first_to_raise("job", 0, text, tmp_path / "missing") is None  # no file: print
+    # An earlier job of the same name (Open MPI's 16-bit job family came back): its file,
+    # even alike, is replaced, never answered from (CI: rank 1 then printed in full).
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    assert first_to_raise("job", 0, text, earlier) is None
+    (old,) = earlier.iterdir()
+    os.utime(old, (0, 0))
+    assert first_to_raise("job", 1, text, earlier, started=120) is None  # prints it
+    assert first_to_raise("job", 0, text, earlier, started=120) == 1
     # By default in this user's own folder of the temp folder: one others cannot write to.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
