@@ -616,6 +616,11 @@ def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
         ("diloco H=16 outer 1/0.5", ["--sync", "diloco", "--sync-every", "16", "--outer-lr",
                                      "1", "--outer-momentum", "0.5"]),
     ]  # fmt: skip
+    assert plan([16], ["local"], overlaps=(False, True)) == [
+        ("step", []),
+        ("local H=16", ["--sync", "local", "--sync-every", "16"]),
+        ("local H=16 overlapped", ["--sync", "local", "--sync-every", "16", "--sync-overlap"]),
+    ]
     from hvdtrain.bench.accuracy import _outers
     from hvdtrain.errors import HvdtrainError
 

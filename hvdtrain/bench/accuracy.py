@@ -5,6 +5,7 @@
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --out out/accuracy
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --model convnet-bn --every 16
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --modes diloco --outer 1:0.5,1:0
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 16 --overlap both
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
 job (`hvdtrain-run --backend gloo -np N`); `accuracy.json` (every run's figures) and
@@ -28,19 +29,23 @@ __all__ = ["main", "plan", "table"]
 PROG = "python -m hvdtrain.bench.accuracy"
 
 
-def plan(every, modes=("local", "diloco"), outers=()):
+def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,)):
     """The modes to run: [(label, flags)], the synchronous one first; DiLoCo once per
-    (outer learning rate, outer momentum) of `outers`, or at its defaults. Pure."""
+    (outer learning rate, outer momentum) of `outers`, or at its defaults; each with the
+    blocking exchange, the overlapped one (`--sync-overlap`) or both, by `overlaps`. Pure."""
     out = [("step", [])]
     for mode in modes:
         for h in every:
             flags = ["--sync", mode, "--sync-every", str(h)]
-            if mode != "diloco" or not outers:
-                out.append((f"{mode} H={h}", flags))
-                continue
-            for lr, momentum in outers:
-                out.append((f"{mode} H={h} outer {lr}/{momentum}",
-                            flags + ["--outer-lr", lr, "--outer-momentum", momentum]))  # fmt: skip
+            steps = [(f"{mode} H={h}", flags)]
+            if mode == "diloco" and outers:
+                steps = [(f"{mode} H={h} outer {lr}/{momentum}",
+                          flags + ["--outer-lr", lr, "--outer-momentum", momentum])
+                         for lr, momentum in outers]  # fmt: skip
+            for label, more in steps:
+                for overlap in overlaps:
+                    out.append((label + " overlapped", more + ["--sync-overlap"]) if overlap
+                               else (label, more))  # fmt: skip
     return out
 
 
@@ -101,6 +106,12 @@ def _run(argv):
                         "docs/exchanging-less.md were measured)")  # fmt: skip
     p.add_argument("--modes", default="local,diloco", help="of local, diloco")
     p.add_argument("--outer", default="", help="DiLoCo's LR:MOMENTUM pairs, e.g. 1:0.5,1:0")
+    p.add_argument(
+        "--overlap",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the exchange blocking (off), overlapped (on), or each in turn",
+    )
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"local", "diloco"}:
@@ -119,7 +130,8 @@ def _run(argv):
     os.makedirs(args.out, exist_ok=True)
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     runs, results = [], {}
-    for label, flags in plan(every, modes, outers):
+    overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+    for label, flags in plan(every, modes, outers, overlaps):
         for seed in range(args.seeds):
             metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
             argv = [run, "--backend", "gloo", "-np", str(args.np), "--", sys.executable, "-m",
