@@ -81,22 +81,18 @@ def first_to_raise(key, rank, text, folder=None, started=None):
     try:
         folder = folder or _own_folder()
         name = os.path.join(folder, f"{digest}.traceback")
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(name).st_mtime < earlier:
+                os.unlink(name)
         part = f"{name}.{os.getpid()}"
         with open(part, "w") as f:
             f.write(f"{rank}\n{mine}")
         try:
-            for _ in range(2):
-                try:
-                    os.link(part, name)  # whole or not at all: the first rank's, for all
-                    break
-                except FileExistsError:
-                    with open(name) as f:
-                        if os.fstat(f.fileno()).st_mtime < earlier:
-                            with contextlib.suppress(FileNotFoundError):
-                                os.unlink(name)
-                            continue
-                        first, _, theirs = f.read().partition("\n")
-                    return int(first) if theirs == mine and first != str(rank) else None
+            os.link(part, name)  # whole or not at all: the first rank's, for all to read
+        except FileExistsError:
+            with open(name) as f:
+                first, _, theirs = f.read().partition("\n")
+            return int(first) if theirs == mine and first != str(rank) else None
         finally:
             os.unlink(part)
     except (OSError, ValueError):

@@ -46,7 +46,6 @@ from hvdtrain.tuning import bind_to_cores
 
 __all__ = [
     "main",
-    "bind_to_cores",
     "local_rank_from_env",
     "result_key",
     "thread_cpu_seconds",
