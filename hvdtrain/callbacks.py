@@ -239,9 +239,10 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     the epochs after the first (which pays for tracing), or the first if it is the only one.
     """
 
-    def __init__(self, global_batch, steps_per_epoch=None):
+    def __init__(self, global_batch, steps_per_epoch=None, rank_steps=None):
         super().__init__()
         self.global_batch, self.steps_per_epoch = global_batch, steps_per_epoch
+        self.rank_steps = rank_steps
         self.epoch_samples_per_sec = []
         self._start = None
         self._batches = 0
@@ -252,7 +253,8 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # With steps_per_execution > 1, Keras calls once per execution (Keras 3 with the
         # execution's whole length, also when the epoch ends sooner).
-        self._batches = min(batch + 1, self.steps_per_epoch or batch + 1)
+        done = _epoch_steps(batch + 1, self.steps_per_epoch, self.rank_steps)
+        self._batches = min(done, self.steps_per_epoch or done)
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
@@ -283,6 +285,8 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         mode: "auto" (a bar when `stream` is a terminal, else lines), "bar", "lines", "off".
         seconds: between lines.
         stream: where it writes (stderr).
+        rank_steps: `() -> int or None`, this rank's steps in the current epoch where they
+            differ from the run's (`--sync-balance`): its steps then count for the epoch's.
     """
 
     def __init__(
@@ -294,8 +298,10 @@ class ProgressCallback(tf.keras.callbacks.Callback):
         mode="auto",
         seconds=30.0,
         stream=None,
+        rank_steps=None,
     ):
         super().__init__()
+        self.rank_steps = rank_steps
         self.stream = stream or sys.stderr
         if mode == "auto":
             mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
@@ -318,7 +324,8 @@ class ProgressCallback(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.mode == "off" or hvd.rank() != 0:
             return
-        self._done = min(batch + 1, self.steps - self._offset)  # Keras 3 names a whole execution
+        done = _epoch_steps(batch + 1, self.steps, self.rank_steps)
+        self._done = min(done, self.steps - self._offset)  # Keras 3 names a whole execution
         now = self._last = time.perf_counter()
         if not self._traced:  # rates from the end of the first execution: not the start-up
             self._traced = True
@@ -362,6 +369,15 @@ class ProgressCallback(tf.keras.callbacks.Callback):
             f"{end}hvdtrain: epoch {epoch + 1}/{self.epochs}: {timed} steps{after} in "
             f"{seconds:.1f} s, {rate:,.0f} samples/s; {figures}\n"
         )
+
+
+def _epoch_steps(done, steps, rank_steps):
+    """`done` of this rank's steps in an epoch as the epoch's steps: scaled where this rank
+    takes another share than `steps` (`--sync-balance`)."""
+    mine = rank_steps() if rank_steps is not None else None
+    if not mine or not steps or mine == steps:
+        return done
+    return round(done * steps / mine)
 
 
 def _short(value):

@@ -33,6 +33,7 @@ __all__ = [
     "shard_indices",
     "steps_per_epoch",
     "train_dataset",
+    "share_dataset",
     "eval_dataset",
     "Placement",
     "Data",
@@ -122,6 +123,31 @@ def train_dataset(
         return tf.nest.map_structure(lambda t: tf.gather(t, positions), arrays)
 
     ds = tf.data.Dataset.range(start_step, 2**62).map(batch_of)
+    if map_fn is not None:
+        ds = ds.unbatch().map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.batch(batch_size, drop_remainder=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def share_dataset(arrays, batch_size, *, seed, epoch, first, steps, map_fn=None):
+    """The batches `first` to `first + steps` of epoch `epoch` over all ranks, from `arrays`
+    (`pack`ed samples, every one of them): `--sync-balance`'s share of a rank
+    (`hvdtrain.shares`).
+
+    The epoch's order is one permutation of all the samples that depends only on (seed,
+    epoch); each rank takes a run of its batches, so the ranks' shares, of any sizes that
+    add up to the epoch, train each sample of it once.
+    """
+    n = num_samples(arrays, "x")
+    last = tf.constant(n - 1, tf.int64)
+    key = tf.constant([seed, epoch], tf.int64)
+
+    def batch_of(i):
+        positions = i * batch_size + tf.range(batch_size, dtype=tf.int64)
+        positions = tf.random.experimental.index_shuffle(positions, key, last)
+        return tf.nest.map_structure(lambda t: tf.gather(t, positions), arrays)
+
+    ds = tf.data.Dataset.range(first, first + steps).map(batch_of)
     if map_fn is not None:
         ds = ds.unbatch().map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.batch(batch_size, drop_remainder=True)
@@ -238,6 +264,7 @@ class Data:
 
     source = "data"  # a short name for the metrics JSON
     batch_size = None  # a batch size the data fixes itself (batches made in Python), or None
+    shares = False  # whether `train_share` gives a rank any part of an epoch (--sync-balance)
 
     def prepare(self, placement, seed=0):
         """Reads what it must (counts, file lists) and agrees with the other ranks."""
@@ -256,6 +283,11 @@ class Data:
 
     def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
         """This rank's batches from global step `start_step` to the end of `epochs`."""
+        raise NotImplementedError
+
+    def train_share(self, batch_size, *, seed, epoch, first, steps):
+        """The batches `first` to `first + steps` of epoch `epoch` in an order over all ranks
+        (`--sync-balance`: a rank's unequal share, `hvdtrain.shares`); where `shares`."""
         raise NotImplementedError
 
     @property
@@ -295,6 +327,8 @@ class ArrayData(Data):
         sample_weight: a weight per training sample (or a dict of them per output), or None.
     """
 
+    shares = True
+
     def __init__(
         self,
         x,
@@ -325,6 +359,7 @@ class ArrayData(Data):
         self.x, self.y, self.test, self.sample_weight = x, y, test, sample_weight
         self.train_map, self.eval_map = train_map, eval_map
         self.source, self.notice = source, notice or source
+        self._all = None  # every sample as tensors (`train_share`)
 
     def limit(self, n):
         """The first `n` training samples only."""
@@ -362,6 +397,15 @@ class ArrayData(Data):
             steps=steps,
             sample_weight=self.sample_weight,
         )
+
+    def train_share(self, batch_size, *, seed, epoch, first, steps):
+        if self._all is None:  # every sample, once per process: each epoch's fit takes them
+            packed = pack(self.x, self.y, self.sample_weight)
+            self._all = tf.nest.map_structure(lambda a: tf.constant(np.asarray(a)), packed)
+        return share_dataset(
+            self._all, batch_size, seed=seed, epoch=epoch, first=first, steps=steps,
+            map_fn=self.train_map,
+        )  # fmt: skip
 
     @property
     def has_test(self):

@@ -43,8 +43,10 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdtrain import optim, watchdog
+from hvdtrain.errors import invalid_value
 from hvdtrain.flags import float16_refused
 from hvdtrain.gate import Gate
+from hvdtrain.shares import Balance
 
 __all__ = [
     "Exchange",
@@ -135,6 +137,26 @@ class Exchange:
     def begin(self, start_step, lr_warmup_steps):
         """At every (re)start, once every rank holds the same weights (broadcast, restored)."""
 
+    def check_data(self, data):
+        """Refuses, in one line, a `hvdtrain.Data` this strategy cannot train on."""
+
+    epoch_by_epoch = False  # True: the recipe calls `fit` once per epoch and asks `share`
+    current = None  # this rank's `Share` of the current epoch; None: equal shares
+
+    def share(self, epoch, steps):
+        """This rank's `hvdtrain.shares.Share` of epoch `epoch` (`steps` steps a rank in equal
+        shares), or None for its equal shard."""
+        return None
+
+    def common_step(self):
+        """True when every rank is at the same point of the epoch after this execution (a
+        collective may run there); False between the exchanges of unequal shares."""
+        return True
+
+    def rank_steps(self):
+        """This rank's steps in the current epoch where its share is not equal, else None."""
+        return self.current.steps if self.current is not None else None
+
     def callbacks(self, steps_per_epoch, start_step, check):
         """The callbacks that drive it, first among `fit`'s: `check(when)` is the check that
         the ranks agree, to call where they should."""
@@ -195,16 +217,28 @@ class LocalSGD(Exchange):
         self.waited = 0.0  # seconds the steps waited for exchanges, since the run began
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self._exchange_fn = self._state_fn = None
+        # --sync-balance: each epoch's shares from the last one's speeds (`hvdtrain.shares`).
+        self.balance = Balance() if cfg.sync_balance else None
+        self.epoch_by_epoch = self.balance is not None
+        self.current = None  # this epoch's `Share`, or None (equal shares)
+        self.weight = 1.0  # this round's change x this in the ranks' mean (its share)
+        self._at_point = False  # whether the last execution ended at an exchange point
+        self.unit = 1  # steps per execution (exchanges fall at an execution's end)
+        self.optimizers = []
+        # This epoch's clock: (time, step, at an exchange point) after the last execution,
+        # and the times a step of its executions.
+        self._timed, self._clock, self._step_times = False, None, []
 
     def steps_per_execution(self, default):
-        return fitting_steps_per_execution(default, self.every)  # exchanges at their ends
+        self.unit = fitting_steps_per_execution(default, self.every)  # exchanges at their ends
+        return self.unit
 
     def check_policy(self, policy):
         if policy == "mixed_float16":  # --mixed-precision auto on a GPU
             raise float16_refused(self.cfg)
 
     def attach(self, model, optimizers):
-        optimizers = list(optimizers)
+        optimizers = self.optimizers = list(optimizers)
         self.gate = Gate()
         for opt in optimizers:
             optim.gate_gradients(opt, self.gate)
@@ -235,6 +269,74 @@ class LocalSGD(Exchange):
     def before_checkpoint(self):
         self.now(whole=True)
 
+    def check_data(self, data):
+        if self.balance is not None and not data.shares:
+            raise invalid_value(
+                "--sync-balance",
+                True,
+                f"data in memory (arrays, `hvdtrain.ArrayData`): {data.describe()} is "
+                "sharded by rank, in equal parts; leave --sync-balance out for it",
+            )
+
+    def share(self, epoch, steps):
+        """Equal shares for an epoch with synchronous steps (their gradients are averaged at
+        every step), else the balance's."""
+        self.current, self.weight = None, 1.0
+        if self.balance is not None and epoch * steps >= self.warmup:
+            self.current = self.balance.share(hvd.rank(), steps, self.every, self.unit)
+        return self.current
+
+    def common_step(self):
+        """In the synchronous warmup every step; then the exchange points only: a collective
+        between them (a callback's stop agreed at every step) would hold the ranks in step."""
+        return self.syncing or self._at_point
+
+    def due(self, step_in_epoch, steps_per_epoch):
+        """True where an exchange falls after the `step_in_epoch`-th step of this epoch."""
+        if self.current is not None:
+            return self.current.exchange_due(step_in_epoch)
+        return exchange_due(step_in_epoch, steps_per_epoch, self.every)
+
+    def epoch_begins(self, global_step):
+        """At an epoch's first step (every rank holds one model). Balanced, the step counts
+        set to the epoch's start (a rank's last epoch may have ended past it) and the
+        optimizers' steps too (their learning rates follow them)."""
+        self._timed = global_step >= self.warmup  # no synchronous step in it
+        self._clock, self._step_times = None, []
+        if self.balance is None or not self.in_agreement():
+            return
+        self.step = self.agreed = self.agreed_whole = global_step
+        for opt in self.optimizers:
+            opt.iterations.assign(global_step)
+
+    def clock(self, step_in_epoch, began):
+        """After each execution, `began` (`time.perf_counter()`) at its end, before the
+        exchange: its time per step, unless it is the epoch's first (tracing, the data's
+        first batch) or follows an exchange point (the overlap's exchange in flight holds
+        up the next step: that is a wait, not this rank's speed)."""
+        if self._timed and self.balance is not None:
+            last = self._clock
+            if last is not None and step_in_epoch > last[1]:
+                per_step = (began - last[0]) / (step_in_epoch - last[1])
+                self._step_times.append((last[2], per_step))  # (after a point, seconds)
+            self._clock = (time.perf_counter(), step_in_epoch, self._at_point)
+
+    def epoch_ends(self):
+        """At an epoch's end, after its whole exchange (every rank): balanced, the ranks'
+        speeds in its local steps (the median time a step, waits left out) gathered for the
+        next epoch's shares."""
+        if self.balance is None:
+            return
+        # (Those after a point only where there are no others: a share of one step a round.)
+        times = sorted(t for after, t in self._step_times if not after) or sorted(
+            t for _, t in self._step_times
+        )
+        # (0: not timed, an epoch with synchronous steps or too short, and equal shares next)
+        speed = 1 / times[len(times) // 2] if times and times[len(times) // 2] > 0 else 0.0
+        self._clock, self._step_times = None, []
+        speeds = hvd.allgather(tf.constant([speed], tf.float64), name="hvdtrain.shares")
+        self.balance.measured([float(s) for s in speeds.numpy()])
+
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
         Returns True after an exchange."""
@@ -251,7 +353,10 @@ class LocalSGD(Exchange):
                 for a, w in zip(self.anchor, self.weights, strict=True):
                     a.assign(w)
             return False
-        if exchange_due(step_in_epoch, steps_per_epoch, self.every):
+        self._at_point = self.due(step_in_epoch, steps_per_epoch)
+        if self._at_point:
+            if self.current is not None:  # this rank's change counts for its steps
+                self.weight = self.current.weight_at(step_in_epoch)
             return self.now()
         return False
 
@@ -272,7 +377,7 @@ class LocalSGD(Exchange):
         if exchanged:
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost
                 self._exchange_fn = tf.function(self._exchange, autograph=False)  # more
-            self._exchange_fn()
+            self._exchange_fn(tf.constant(self.weight, tf.float32))
             self.bytes += self.per_exchange
             self.exchanges += 1
             self.agreed = self.step
@@ -286,8 +391,8 @@ class LocalSGD(Exchange):
         self.waited += time.perf_counter() - began
         return exchanged
 
-    def _exchange(self):
-        deltas = [a - w for a, w in zip(self.anchor, self.weights, strict=True)]
+    def _exchange(self, weight):
+        deltas = [_weighted(a - w, weight) for a, w in zip(self.anchor, self.weights, strict=True)]
         self.move_anchor(optim.packed(deltas, "hvdtrain.exchange", self._average))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
@@ -314,12 +419,15 @@ class LocalSGD(Exchange):
         out = f"{self.name} every {self.every} steps"
         if self.warmup:
             out += f" after {self.warmup} synchronous"
+        if self.balance is not None:
+            out += ", balanced by speed"
         return out
 
     def summary(self):
         return {
             "mode": self.mode,
             "every": self.every,
+            "balance": self.balance is not None,
             "warmup_steps": self.warmup,
             "outer_lr": None,
             "outer_lr_from": None,
@@ -333,7 +441,10 @@ class LocalSGD(Exchange):
         }
 
     def rank_figures(self):
-        return {"exchange_waited_seconds": round(self.waited, 4)}
+        out = {"exchange_waited_seconds": round(self.waited, 4)}
+        if self.balance is not None:
+            out["balanced_epoch_steps"] = list(self.balance.steps)
+        return out
 
 
 class OuterState(tf.Module):
@@ -455,6 +566,11 @@ class _Overlapped:
             self._new_round(self.weights)
         return exchanged
 
+    def epoch_begins(self, global_step):
+        super().epoch_begins(global_step)
+        if self.in_agreement():
+            self.round_start = self.step
+
     def _new_round(self, weights):
         """The anchor and the round's start set to `weights` (the ranks agree on them)."""
         for a, s, w in zip(self.anchor, self.start, weights, strict=True):
@@ -488,7 +604,7 @@ class _Overlapped:
             began = time.perf_counter()
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
             self._land()
-            self.pending = _InFlight(self._mean, own)
+            self.pending = _InFlight(self._mean, self._counted(own))
             self._continue_from(self.stand_in(own))
             self.exchanges += 1
             self.bytes += self.per_exchange
@@ -506,7 +622,7 @@ class _Overlapped:
         self._land()
         if self.step > self.round_start:  # this round's change, at once
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-            self.move_anchor(self._mean(own))
+            self.move_anchor(self._mean(self._counted(own)))
             self.exchanges += 1
             self.bytes += self.per_exchange
         self._continue_from(self.anchor)
@@ -530,6 +646,13 @@ class _Overlapped:
         self.exchange_seconds += seconds
         self.pending = None
         self.move_anchor(mean)
+
+    def _counted(self, own):
+        """`own` x this round's weight (its share's steps: `--sync-balance`)."""
+        if self.weight == 1.0:
+            return own
+        weight = tf.constant(self.weight, tf.float32)
+        return [_weighted(o, weight) for o in own]
 
     def _mean(self, own):
         """The ranks' mean of `own` (one traced call; any thread)."""
@@ -603,6 +726,11 @@ STRATEGIES = {
 }
 
 
+def _weighted(delta, weight):
+    """`delta` x `weight` (a float32 scalar) in `delta`'s own dtype."""
+    return delta * tf.cast(weight, delta.dtype)
+
+
 def _average_as_they_are(variables, name):
     """Sets `variables` to their mean over the ranks (full precision), in one allreduce."""
     if not variables:
@@ -636,24 +764,28 @@ class ExchangeCallback(tf.keras.callbacks.Callback):
         super().__init__()
         self.exchange, self.steps, self.check = exchange, steps_per_epoch, check
         self.start_step = start_step
-        self._first = self._offset = 0
+        self._first = self._offset = self._last = 0
         self.checked = False
 
     def on_epoch_begin(self, epoch, logs=None):
         # `fit` numbers batches from where it started: mid-epoch after a resume.
         self._first = epoch * self.steps
-        self._offset = max(0, self.start_step - self._first)
+        self._offset = self._last = max(0, self.start_step - self._first)
+        self.exchange.epoch_begins(self._first + self._offset)
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self._offset + batch + 1
+        step = self._last = self._offset + batch + 1
+        began = time.perf_counter()
         if self.exchange.after_steps(self._first + step, step, self.steps):
             self._check()
+        self.exchange.clock(step, began)
 
     def on_epoch_end(self, epoch, logs=None):
         # One state for all (a checkpoint may follow), and the weights too after an epoch
         # that a callback cut short.
         if self.exchange.now(whole=True):
             self._check()
+        self.exchange.epoch_ends()
 
     def _check(self):
         if not self.checked and self.check is not None:

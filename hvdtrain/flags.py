@@ -72,6 +72,9 @@ class TrainConfig:
         outer_momentum: DiLoCo's outer Nesterov momentum (default 0.9).
         sync_overlap: under "local" or "diloco", run each exchange while the next local
             steps do, its mean applied at the next exchange (default: off).
+        sync_balance: under "local" or "diloco", share each epoch's batches out in
+            proportion to the ranks' measured speeds, so that no rank waits at an exchange
+            (`hvdtrain.shares`; default: off, equal shares).
     """
 
     epochs: int = 1
@@ -103,6 +106,7 @@ class TrainConfig:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     sync_overlap: bool | None = None
+    sync_balance: bool | None = None
 
     def __post_init__(self):
         for name in (
@@ -182,7 +186,9 @@ def _check_sync(c):
         raise invalid_value("--outer-momentum", c.outer_momentum, "a number from 0 to below 1")
     if c.sync_overlap is not None and not isinstance(c.sync_overlap, bool):
         raise invalid_value("--sync-overlap", c.sync_overlap, "True, False or no value")
-    local = ("sync_every", "sync_warmup_steps", "sync_overlap")
+    if c.sync_balance is not None and not isinstance(c.sync_balance, bool):
+        raise invalid_value("--sync-balance", c.sync_balance, "True, False or no value")
+    local = ("sync_every", "sync_warmup_steps", "sync_overlap", "sync_balance")
     for name in (*local, *OUTER) if c.sync == "step" else OUTER if c.sync == "local" else ():
         if getattr(c, name) is not None:
             needs = "--sync local or --sync diloco" if name in local else "--sync diloco"
@@ -198,6 +204,10 @@ def _check_sync(c):
         )
     if c.mixed_precision == "float16":
         raise float16_refused(c)
+    if c.sync_balance:
+        for name, why in BALANCE_REFUSED:
+            if getattr(c, name):
+                raise invalid_value("--sync-balance", True, f"no value with {_flag(name)}: {why}")
     spe, every = c.steps_per_execution, c.exchange_every
     if spe is not None and every % spe:
         raise invalid_value(
@@ -206,6 +216,21 @@ def _check_sync(c):
             f"a divisor of --sync-every {every} (the ranks exchange at an execution's end), "
             "or no value: hvdtrain then picks one",
         )
+
+
+BALANCE_REFUSED = (
+    (
+        "deterministic",
+        "a run that repeats bit for bit shares its epochs equally, not by the "
+        "ranks' measured speeds",
+    ),
+    (
+        "checkpoint_every",
+        "its ranks take unequal steps, so a mid-epoch checkpoint has no "
+        "common step; checkpoints at epoch ends are kept",
+    ),
+    ("elastic", "an elastic job commits at common steps, which balanced ranks do not have"),
+)
 
 
 def _flag(name):
@@ -407,4 +432,11 @@ def _add_training_flags(p, d):
         action=argparse.BooleanOptionalAction,
         default=d.sync_overlap,
         help="run each exchange while the next local steps do (local, diloco; default: off)",
+    )
+    x.add_argument(
+        "--sync-balance",
+        action=argparse.BooleanOptionalAction,
+        default=d.sync_balance,
+        help="share each epoch's batches in proportion to the ranks' measured speeds, so "
+        "that no rank waits at an exchange (local, diloco; arrays; default: off)",
     )

@@ -298,6 +298,7 @@ class Run:
         # collectives in the same order. A loader may use collectives itself.
         data = runtime.agree(lambda: as_data(self.data_source, cfg.limit_samples))
         runtime.agree(lambda: data.prepare(p, cfg.seed))
+        b.exchange.check_data(data)  # --sync-balance: data it can share out unequally
         if first:
             self.log.info("data: %s", data.describe())
             if warning := data.loader_warning(p):
@@ -346,14 +347,14 @@ class Run:
         p, steps = plan.place, plan.steps
         # A stuck rank ends the job: no hang.
         self.watchdog = cb.WatchdogCallback(watchdog=self.guard)
-        self.throughput = cb.ThroughputCallback(plan.global_batch, steps)
+        self.throughput = cb.ThroughputCallback(plan.global_batch, steps, b.exchange.rank_steps)
         if self.user is None:  # one for the run: an elastic restart goes on with them
             self.user = usercallbacks.UserCallbacks(self.user_callbacks, p.rank)
         self.user.for_rank(p.rank)  # after an elastic reset rank 0 may be another worker
         self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
         rates = [s.rate for s in b.optimizers.schedules.values() if s.rate is not None]
         self.steering = usercallbacks.AgreedSteering(
-            rates, self.user.stops_in_epochs, on_stop=self.on_stop
+            rates, self.user.stops_in_epochs, on_stop=self.on_stop, common=b.exchange.common_step
         )
         out = [
             self.watchdog,
@@ -388,6 +389,7 @@ class Run:
                     plan.start_step,
                     cfg.progress,
                     cfg.progress_seconds,
+                    rank_steps=b.exchange.rank_steps,
                 )
             )
         if b.manager:
@@ -427,15 +429,24 @@ class Run:
 
         # Keras 3 runs whole executions (31 steps at 16 per execution ran 32): there, each
         # `fit` trains one epoch over a dataset of exactly its steps, which ends the last
-        # execution early. Keras 2 trains every epoch in one `fit`.
-        one_epoch = b.keras.ONE_EPOCH_PER_FIT
+        # execution early. Keras 2 trains every epoch in one `fit`, unless the exchange
+        # shares each epoch out anew (--sync-balance).
+        one_epoch = b.keras.ONE_EPOCH_PER_FIT or b.exchange.epoch_by_epoch
 
         def fit_(first, epochs, steps_this_epoch):
             # A dataset per call: Keras starts each `fit` at the dataset's first batch.
-            train_ds = plan.data.train_dataset(
-                plan.batch_size, plan.place, seed=cfg.seed, start_step=first, steps=steps,
-                epochs=epochs,
-            )  # fmt: skip
+            share = b.exchange.share(first // steps, steps) if first % steps == 0 else None
+            if share is None:  # this rank's equal shard
+                train_ds = plan.data.train_dataset(
+                    plan.batch_size, plan.place, seed=cfg.seed, start_step=first, steps=steps,
+                    epochs=epochs,
+                )  # fmt: skip
+            else:  # its part of the epoch's batches, in proportion to its speed
+                train_ds = plan.data.train_share(
+                    plan.batch_size, seed=cfg.seed, epoch=first // steps, first=share.first,
+                    steps=share.steps,
+                )  # fmt: skip
+                steps_this_epoch = share.steps
             if one_epoch:
                 train_ds = train_ds.take(steps_this_epoch)
                 train_ds = train_ds.apply(tf.data.experimental.assert_cardinality(steps_this_epoch))

@@ -240,16 +240,21 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     `model.stop_training` (at each epoch's end, and after each execution when a callback
     of the user's acts within epochs), and takes rank 0's single-worker learning rates
     (`rates`, variables) at each epoch's start and end. The stop it agreed on is `stopped`
-    (the epoch, or None)."""
+    (the epoch, or None). `common`: `() -> bool`, whether the ranks meet after this
+    execution (under `--sync local/diloco`, at exchanges only): within epochs it agrees
+    there only."""
 
-    def __init__(self, rates, within_epochs=False, on_stop=None):
+    def __init__(self, rates, within_epochs=False, on_stop=None, common=None):
         super().__init__()
         self.rates, self.within_epochs, self.on_stop = list(rates), within_epochs, on_stop
+        self.common = common
+        self._asked = False  # a stop asked between two meetings of the ranks
         self.stopped = None
         self._epoch = 0
 
     def _stop_agreed(self):
-        mine = bool(getattr(self.model, "stop_training", False))
+        mine = self._asked or bool(getattr(self.model, "stop_training", False))
+        self._asked = False
         if hvd.size() > 1:
             # Between steps, for the other ranks: a rank stuck on its own is the one named.
             watchdog.doing(
@@ -278,7 +283,13 @@ class AgreedSteering(tf.keras.callbacks.Callback):
         self._rates_from_rank0()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.within_epochs and self._stop_agreed():
+        if not self.within_epochs:
+            return
+        if self.common is not None and not self.common():  # held until the ranks meet
+            self._asked = self._asked or bool(getattr(self.model, "stop_training", False))
+            self.model.stop_training = False
+            return
+        if self._stop_agreed():
             self._stop(self._epoch)
 
     def on_epoch_end(self, epoch, logs=None):

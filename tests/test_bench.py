@@ -663,6 +663,11 @@ def test_modes_benchmark_plans_the_ceiling_first_and_reads_rank_0s_epoch_lines()
                                            "--sync-overlap"]),
     ]  # fmt: skip
     assert len(plan([4, 16], ["mpi", "gloo"], overlap=False)) == 1 + 2 * (1 + 2 * 2)
+    balanced = plan([16], ["gloo"], ["diloco"], balance=True)[2:]
+    assert [label for label, _, _ in balanced] == [
+        "diloco H=16 gloo", "diloco H=16 overlap gloo", "diloco H=16 balanced gloo",
+        "diloco H=16 overlap balanced gloo"]  # fmt: skip
+    assert balanced[3][2][-2:] == ["--sync-overlap", "--sync-balance"]
     text = (
         "[1,0]<stderr>:hvdtrain: epoch 1/3: 452 steps after the first 16 in 4.0 s, 14,585 "
         "samples/s; loss 0.2568\n[1,0]<stderr>:hvdtrain: epoch 1/3: step 100/468 (21%), "

@@ -52,12 +52,80 @@ def test_steps_per_execution_are_set_to_divide_h(default, every, spe):
         ({"sync": "diloco", "mixed_precision": "float16"}, "expected bfloat16 with --sync diloco"),
         ({"sync": "local", "sync_every": 4, "steps_per_execution": 8},
          "`--steps-per-execution`: received 8; expected a divisor of --sync-every 4"),
+        ({"sync_balance": True}, "`--sync-balance`: received True; expected no value without "
+         "--sync local or --sync diloco"),
+        ({"sync": "local", "sync_balance": True, "deterministic": True},
+         "`--sync-balance`: received True; expected no value with --deterministic"),
+        ({"sync": "diloco", "sync_balance": True, "checkpoint_every": 5},
+         "expected no value with --checkpoint-every"),
+        ({"sync": "local", "sync_balance": True, "elastic": True},
+         "expected no value with --elastic"),
     ],
 )  # fmt: skip
 def test_bad_combinations_are_one_line(options, words):
     with pytest.raises(HvdtrainError, match=None) as e:
         make_config(**options)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "steps, every, speeds, unit",
+    [(10, 4, [1.0, 1.0], 1), (37, 16, [1.07, 1.0], 1), (37, 16, [1.07, 1.0], 4),
+     (10, 16, [2.0, 1.0], 1), (64, 8, [5.0, 1.0, 2.5], 2), (9, 3, [100.0, 1.0], 1)],
+)  # fmt: skip
+def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every, speeds, unit):
+    """`--sync-balance`: the ranks' shares are runs of the epoch's batches, one after the
+    other, covering it; the faster rank takes more; every rank exchanges as often, between
+    whole executions; the weights make the ranks' mean a mean weighted by steps."""
+    from hvdtrain.shares import plan_epoch
+
+    shares = plan_epoch(steps, every, speeds, unit)
+    ranks = len(speeds)
+    assert [s.first for s in shares] == [sum(s.steps for s in shares[:r]) for r in range(ranks)]
+    assert sum(s.steps for s in shares) == steps * len(speeds)
+    rounds = -(-steps // every)
+    for share, speed in zip(shares, speeds, strict=True):
+        points = [k for k in range(1, share.steps + 1) if share.exchange_due(k)]
+        assert len(points) == rounds and points[-1] == share.steps
+        assert all(p % unit == 0 for p in points[:-1])
+        if speed == max(speeds):
+            assert share.steps >= steps
+    assert sum(s.weight for s in shares) == pytest.approx(ranks)
+    assert sum(s.last_weight for s in shares) == pytest.approx(ranks)
+    if len(set(speeds)) == 1:
+        assert [(s.steps, s.every, s.weight) for s in shares] == [(steps, every, 1.0)] * len(speeds)
+
+
+def test_balanced_shares_of_arrays_train_each_sample_once_an_epoch():
+    """`ArrayData.train_share`: shares of any sizes train each sample of an epoch once, in
+    an order that differs from epoch to epoch and depends only on (seed, epoch)."""
+    from hvdtrain.data import ArrayData
+
+    x = np.arange(103, dtype="int64")
+    data = ArrayData(x, x % 3)
+
+    def ids(epoch, first, steps):
+        batches = data.train_share(4, seed=7, epoch=epoch, first=first, steps=steps)
+        return [int(v) for xb, _ in batches for v in xb.numpy()]
+
+    epoch0 = ids(0, 0, 19) + ids(0, 19, 6)  # 25 batches of 4: 100 of the 103 samples
+    assert len(epoch0) == len(set(epoch0)) == 100
+    assert ids(0, 19, 6) == epoch0[76:]  # a share is a run of the epoch's order
+    epoch1 = ids(1, 0, 10) + ids(1, 10, 15)
+    assert len(set(epoch1)) == 100 and epoch1 != epoch0
+
+
+def test_balance_refuses_data_it_cannot_share_out_in_one_line():
+    from hvdtrain import exchange
+    from hvdtrain.data import ArrayData, DatasetData
+
+    strategy = exchange.for_config(make_config(sync="local", sync_balance=True))
+    strategy.check_data(ArrayData(np.zeros((8, 2)), np.zeros(8)))
+    with pytest.raises(HvdtrainError) as e:
+        strategy.check_data(DatasetData(lambda rank, size, seed, epoch: None, num_samples=8))
+    assert "`--sync-balance`: received True; expected data in memory" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert exchange.for_config(make_config(sync="local")).epoch_by_epoch is False
 
 
 @pytest.mark.parametrize("mode, cls", [("step", "Exchange"), ("local", "LocalSGD"),
@@ -241,6 +309,42 @@ def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, shared_jobs, 
     (resumed, _), m = _run(shared_jobs, tmp_path / "cut", *flags, "--checkpoint-dir", ckpt)
     assert m["resumed_from"]["epoch"] == 1 and m["sync"]["exchanges"] == 3
     assert _largest_difference(whole, resumed) == 0
+
+
+@pytest.mark.parametrize(
+    "keras, flags", [("2", ["--sync", "local"]), ("3", ["--sync", "diloco", "--sync-overlap"])]
+)
+def test_balanced_ranks_take_steps_in_proportion_to_their_speed(
+    keras, flags, shared_jobs, tmp_path
+):
+    """`--sync-balance`, rank 1 slowed on purpose (30 ms a step), 3 epochs of 10 steps a rank,
+    H=4: the first epoch is shared equally and timed, the next two give the faster rank more
+    of their 20 batches; both ranks exchange as often (after 2 rounds and at each epoch's
+    end) and end with every variable the same."""
+    (w0, w1), m = _run(shared_jobs, tmp_path, *flags, "--sync-every", "4", "--sync-warmup-steps",
+                       "0", "--sync-balance", "--epochs", "3", "--slow-rank", "1", "--slow-ms",
+                       "30", keras=keras)  # fmt: skip
+    fast, slow = (r["balanced_epoch_steps"] for r in m["ranks"])
+    assert len(fast) == len(slow) == 2, m["ranks"]
+    assert all(f + s == 20 and f > 10 > s for f, s in zip(fast, slow, strict=True)), (fast, slow)
+    assert m["sync"]["balance"] and m["sync"]["exchanges"] == 9
+    assert _largest_difference(w0, w1) == 0
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
+    assert all(len(v) == 3 for v in m["history"].values())
+
+
+def test_a_callbacks_stop_within_a_balanced_epoch_is_agreed_at_an_exchange(shared_jobs, tmp_path):
+    """A callback of rank 0 stops training after step 2 of the third epoch, whose shares
+    are unequal: the ranks agree on it at the next exchange (a collective at every step
+    would wait for batches the other rank does not take) and stop together."""
+    (w0, w1), m = _run(shared_jobs, tmp_path, "--sync", "local", "--sync-every", "4",
+                       "--sync-warmup-steps", "0", "--sync-balance", "--epochs", "4",
+                       "--slow-rank", "1", "--slow-ms", "30", "--stop-at", "3,2")  # fmt: skip
+    fast, slow = (r["balanced_epoch_steps"] for r in m["ranks"])
+    assert len(fast) == 2 and fast[-1] > slow[-1], (fast, slow)
+    assert m["status"] == "finished" and m["stopped_early"] == 3
+    assert all(len(v) == 3 for v in m["history"].values())
+    assert _largest_difference(w0, w1) == 0
 
 
 def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_jobs, tmp_path):

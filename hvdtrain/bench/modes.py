@@ -5,6 +5,7 @@ under `hvdtrain-run -np 2` with `--sync step`, `local` and `diloco` (blocking an
     python -m hvdtrain.bench.modes --data-dir ../shared/mnist --out out/modes
     python -m hvdtrain.bench.modes --data-dir ../shared/mnist --model convnet --every 16
     python -m hvdtrain.bench.modes --quick --out out/modes-quick   # the smoke run
+    python -m hvdtrain.bench.modes --data-dir ../shared/mnist --every 16 --balance
 
 - `ceiling`: two unconnected processes of the same job at -np 1, each bound to one core and
   given half the samples (each rank's work), side by side: their rates summed.
@@ -39,19 +40,23 @@ _EPOCH = re.compile(
 )
 
 
-def plan(every, backends, modes=("local", "diloco"), overlap=True):
-    """The jobs of one round: [(label, backend, flags)], the ceiling first (backend None).
-    Pure."""
+def plan(every, backends, modes=("local", "diloco"), overlap=True, balance=False):
+    """The jobs of one round: [(label, backend, flags)], the ceiling first (backend None);
+    with `balance`, each exchanging job also with `--sync-balance`. Pure."""
     out = [(CEILING, None, [])]
     for backend in backends:
         out.append((f"step {backend}", backend, []))
         for mode in modes:
             for h in every:
                 flags = ["--sync", mode, "--sync-every", str(h)]
-                out.append((f"{mode} H={h} {backend}", backend, flags))
+                variants = [("", flags)]
                 if overlap:
-                    out.append((f"{mode} H={h} overlap {backend}", backend,
-                                flags + ["--sync-overlap"]))  # fmt: skip
+                    variants.append((" overlap", flags + ["--sync-overlap"]))
+                if balance:
+                    variants += [(f"{name} balanced", more + ["--sync-balance"])
+                                 for name, more in list(variants)]  # fmt: skip
+                out += [(f"{mode} H={h}{name} {backend}", backend, more)
+                        for name, more in variants]  # fmt: skip
     return out
 
 
@@ -149,6 +154,7 @@ def _run(argv):
     p.add_argument("--modes", default="local,diloco", help="of local, diloco")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--no-overlap", action="store_true", help="the blocking exchange alone")
+    p.add_argument("--balance", action="store_true", help="each also with --sync-balance")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epochs", type=int, default=4, help="per job; the first is not timed")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
@@ -186,7 +192,7 @@ def _run(argv):
     if len(os.sched_getaffinity(0)) < 2:
         raise HvdtrainError("The ceiling needs two cores; this process may run on one.")
     os.makedirs(args.out, exist_ok=True)
-    jobs = plan(every, backends, modes, overlap=not args.no_overlap)
+    jobs = plan(every, backends, modes, overlap=not args.no_overlap, balance=args.balance)
 
     def log(text):
         print(text, file=sys.stderr, flush=True)

@@ -6,11 +6,15 @@ tests of exchanging less (`hvdtrain.exchange`):
 
 Each rank writes OUT/rank<r>.npz (its final weights, trainable and not) and OUT/trace.json
 (rank 0): for every step, whether the ranks' trainable weights were the same after it (a
-checksum gathered from every rank at every step: give --steps-per-execution 1).
+checksum gathered from every rank at every step: give --steps-per-execution 1). With
+`--slow-rank R --slow-ms T` rank R sleeps T ms after each execution (a slower rank; no
+trace then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's
+callback stops training after the S-th step of epoch E (1-based).
 """
 
 import json
 import os
+import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -27,6 +31,9 @@ def main():
     parser.add_argument("--keras", choices=["2", "3"], default="2")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--slow-rank", type=int, default=None)
+    parser.add_argument("--slow-ms", type=float, default=0.0)
+    parser.add_argument("--stop-at", default=None)
     args = parser.parse_args()
     if args.keras == "3":
         import keras as k
@@ -58,9 +65,22 @@ def main():
             gathered = hvd.allgather_object(mine, name="test.trace")
             trace.append(all(g == gathered[0] for g in gathered))
 
+    stop = [int(v) for v in args.stop_at.split(",")] if args.stop_at else None
+
+    class Slow(k.callbacks.Callback):  # a slower rank, on purpose
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if hvd.rank() == args.slow_rank:
+                time.sleep(args.slow_ms / 1000)
+            if stop and hvd.rank() == 0 and [self.epoch + 1, batch + 1] == stop:
+                self.model.stop_training = True
+
     kept = k.callbacks.LambdaCallback()  # its `model`: the one fit trains
     data = hvdtrain.ArrayData(x, y, test=(x[:64], y[:64]))
-    hvdtrain.fit(build_model, data, args, callbacks=[Trace(), kept])
+    checks = [Slow()] if args.slow_rank is not None else [Trace()]
+    hvdtrain.fit(build_model, data, args, callbacks=[*checks, kept])
     os.makedirs(args.out, exist_ok=True)
     weights = [np.asarray(v.numpy()) for v in kept.model.weights]
     np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), *weights)
