@@ -84,7 +84,7 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from hvdtrain import optim, watchdog
-from hvdtrain.errors import HvdtrainError, write_line
+from hvdtrain.errors import HvdtrainError, because_of_another_rank, write_line
 
 __all__ = [
     "run",
@@ -239,8 +239,12 @@ class _EpochLogs(tf.keras.callbacks.Callback):
 
 
 def _is_horovod_failure(error):
-    """A TensorFlow error raised by a Horovod collective: a peer died or Horovod shut down."""
-    return isinstance(error, tf.errors.OpError) and "Horovod" in str(error)
+    """A TensorFlow error raised by a Horovod collective: a peer died or Horovod shut down.
+    Gloo's own error of a dead peer's connection ("Read error ...: Connection reset by
+    peer", a collective of a thread of hvdtrain's) names no Horovod op: a lost peer too."""
+    if not isinstance(error, tf.errors.OpError):
+        return False
+    return "Horovod" in str(error) or because_of_another_rank(str(error)) is not None
 
 
 def _digest(variables):

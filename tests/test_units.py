@@ -181,6 +181,25 @@ def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expecte
     assert because_of_another_rank(text) == expected
 
 
+def test_an_elastic_run_takes_a_dead_peers_transport_error_for_a_lost_worker():
+    """Under `--sync-overlap` a rank's exchange in flight met rank 1's death as Gloo's own
+    error, which names no Horovod op: the elastic run ended (exit 1) instead of going on
+    (test_customizing_fit.py's lost rank of an overlapped GAN, beside other jobs)."""
+    import tensorflow as tf
+
+    from hvdtrain.elastic import _is_horovod_failure
+
+    gloo = (
+        "Graph execution error:\n[/tmp/tmp.fqedPvPHMD/horovod-0.28.1/third_party/compatible17_"
+        "gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:40165: Connection reset "
+        "by peer"
+    )
+    assert _is_horovod_failure(tf.errors.UnknownError(None, None, gloo))
+    assert _is_horovod_failure(tf.errors.UnknownError(None, None, "Horovod has been shut down"))
+    assert not _is_horovod_failure(tf.errors.InvalidArgumentError(None, None, "shapes differ"))
+    assert not _is_horovod_failure(ValueError("Connection reset by peer"))
+
+
 def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     """TensorFlow's op errors start "Graph execution error:"; the cause is further down."""
     import tensorflow as tf
