@@ -225,8 +225,8 @@ class LocalSGD(Exchange):
         self._at_point = False  # whether the last execution ended at an exchange point
         self.unit = 1  # steps per execution (exchanges fall at an execution's end)
         self.optimizers = []
-        # This epoch's clock: (time, step, at an exchange point) after the last execution,
-        # and the times a step of its executions.
+        # This epoch's clock: the step after the last execution, and the times a step of its
+        # executions.
         self._timed, self._clock, self._step_times = False, None, []
 
     def steps_per_execution(self, default):
@@ -309,28 +309,22 @@ class LocalSGD(Exchange):
         for opt in self.optimizers:
             opt.iterations.assign(global_step)
 
-    def clock(self, step_in_epoch, began):
-        """After each execution, `began` (`time.perf_counter()`) at its end, before the
-        exchange: its time per step, unless it is the epoch's first (tracing, the data's
-        first batch) or follows an exchange point (the overlap's exchange in flight holds
-        up the next step: that is a wait, not this rank's speed)."""
+    def clock(self, step_in_epoch, seconds):
+        """After each execution: its `seconds` (from Keras's batch start to its end: the
+        steps and their data, no callback, no exchange) per step, unless it is the epoch's
+        first (tracing, the data's first batch)."""
         if self._timed and self.balance is not None:
-            last = self._clock
-            if last is not None and step_in_epoch > last[1]:
-                per_step = (began - last[0]) / (step_in_epoch - last[1])
-                self._step_times.append((last[2], per_step))  # (after a point, seconds)
-            self._clock = (time.perf_counter(), step_in_epoch, self._at_point)
+            if self._clock is not None and step_in_epoch > self._clock:
+                self._step_times.append(seconds / (step_in_epoch - self._clock))
+            self._clock = step_in_epoch
 
     def epoch_ends(self):
         """At an epoch's end, after its whole exchange (every rank): balanced, the ranks'
-        speeds in its local steps (the median time a step, waits left out) gathered for the
-        next epoch's shares."""
+        speeds in its local steps (the median time a step) gathered for the next epoch's
+        shares."""
         if self.balance is None:
             return
-        # (Those after a point only where there are no others: a share of one step a round.)
-        times = sorted(t for after, t in self._step_times if not after) or sorted(
-            t for _, t in self._step_times
-        )
+        times = sorted(self._step_times)
         # (0: not timed, an epoch with synchronous steps or too short, and equal shares next)
         speed = 1 / times[len(times) // 2] if times and times[len(times) // 2] > 0 else 0.0
         self._clock, self._step_times = None, []
@@ -765,6 +759,7 @@ class ExchangeCallback(tf.keras.callbacks.Callback):
         self.exchange, self.steps, self.check = exchange, steps_per_epoch, check
         self.start_step = start_step
         self._first = self._offset = self._last = 0
+        self._began = 0.0  # when Keras began the current execution
         self.checked = False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -773,12 +768,14 @@ class ExchangeCallback(tf.keras.callbacks.Callback):
         self._offset = self._last = max(0, self.start_step - self._first)
         self.exchange.epoch_begins(self._first + self._offset)
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._began = time.perf_counter()
+
     def on_train_batch_end(self, batch, logs=None):
         step = self._last = self._offset + batch + 1
-        began = time.perf_counter()
+        self.exchange.clock(step, time.perf_counter() - self._began)
         if self.exchange.after_steps(self._first + step, step, self.steps):
             self._check()
-        self.exchange.clock(step, began)
 
     def on_epoch_end(self, epoch, logs=None):
         # One state for all (a checkpoint may follow), and the weights too after an epoch

@@ -622,6 +622,10 @@ def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
         ("local H=16", ["--sync", "local", "--sync-every", "16"]),
         ("local H=16 overlapped", ["--sync", "local", "--sync-every", "16", "--sync-overlap"]),
     ]
+    assert plan([16], ["diloco"], balances=(False, True))[1:] == [
+        ("diloco H=16", ["--sync", "diloco", "--sync-every", "16"]),
+        ("diloco H=16 balanced", ["--sync", "diloco", "--sync-every", "16", "--sync-balance"]),
+    ]
     from hvdtrain.bench.accuracy import _outers
     from hvdtrain.errors import HvdtrainError
 

@@ -6,6 +6,7 @@
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --model convnet-bn --every 16
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --modes diloco --outer 1:0.5,1:0
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 16 --overlap both
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 16 --balance both
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
 job (`hvdtrain-run --backend gloo -np N`); `accuracy.json` (every run's figures) and
@@ -29,10 +30,11 @@ __all__ = ["main", "plan", "table"]
 PROG = "python -m hvdtrain.bench.accuracy"
 
 
-def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,)):
+def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,), balances=(False,)):
     """The modes to run: [(label, flags)], the synchronous one first; DiLoCo once per
     (outer learning rate, outer momentum) of `outers`, or at its defaults; each with the
-    blocking exchange, the overlapped one (`--sync-overlap`) or both, by `overlaps`. Pure."""
+    blocking exchange, the overlapped one (`--sync-overlap`) or both, by `overlaps`, and with
+    equal shares, `--sync-balance` or both, by `balances`. Pure."""
     out = [("step", [])]
     for mode in modes:
         for h in every:
@@ -44,8 +46,13 @@ def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,)):
                          for lr, momentum in outers]  # fmt: skip
             for label, more in steps:
                 for overlap in overlaps:
-                    out.append((label + " overlapped", more + ["--sync-overlap"]) if overlap
-                               else (label, more))  # fmt: skip
+                    for balance in balances:
+                        name, flags_ = label, list(more)
+                        if overlap:
+                            name, flags_ = name + " overlapped", flags_ + ["--sync-overlap"]
+                        if balance:
+                            name, flags_ = name + " balanced", flags_ + ["--sync-balance"]
+                        out.append((name, flags_))
     return out
 
 
@@ -112,6 +119,12 @@ def _run(argv):
         default="off",
         help="the exchange blocking (off), overlapped (on), or each in turn",
     )
+    p.add_argument(
+        "--balance",
+        choices=("off", "on", "both"),
+        default="off",
+        help="equal shares (off), --sync-balance (on), or each in turn",
+    )
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"local", "diloco"}:
@@ -131,7 +144,8 @@ def _run(argv):
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     runs, results = [], {}
     overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
-    for label, flags in plan(every, modes, outers, overlaps):
+    balances = {"off": (False,), "on": (True,), "both": (False, True)}[args.balance]
+    for label, flags in plan(every, modes, outers, overlaps, balances):
         for seed in range(args.seeds):
             metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
             argv = [run, "--backend", "gloo", "-np", str(args.np), "--", sys.executable, "-m",

@@ -7,9 +7,9 @@ tests of exchanging less (`hvdtrain.exchange`):
 Each rank writes OUT/rank<r>.npz (its final weights, trainable and not) and OUT/trace.json
 (rank 0): for every step, whether the ranks' trainable weights were the same after it (a
 checksum gathered from every rank at every step: give --steps-per-execution 1). With
-`--slow-rank R --slow-ms T` rank R sleeps T ms after each execution (a slower rank; no
-trace then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's
-callback stops training after the S-th step of epoch E (1-based).
+`--slow-rank R --slow-ms T` rank R's model sleeps T ms in each step (a slower rank; no trace
+then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's callback
+stops training after the S-th step of epoch E (1-based).
 """
 
 import json
@@ -40,10 +40,18 @@ def main():
     else:
         k = tf.keras
 
+    def slow(x):  # the slower rank's steps: a sleep in the traced step (a slower device)
+        if hvd.rank() != args.slow_rank:
+            return x
+        pause = tf.py_function(lambda: time.sleep(args.slow_ms / 1000) or 0.0, [], tf.float32)
+        pause.set_shape(())
+        return x + 0.0 * pause
+
     def build_model():
         model = k.Sequential(
             [
                 k.Input((FEATURES,)),
+                k.layers.Lambda(slow),
                 k.layers.Dense(16, activation="relu"),
                 k.layers.BatchNormalization(),
                 k.layers.Dense(CLASSES),
@@ -67,19 +75,17 @@ def main():
 
     stop = [int(v) for v in args.stop_at.split(",")] if args.stop_at else None
 
-    class Slow(k.callbacks.Callback):  # a slower rank, on purpose
+    class Stop(k.callbacks.Callback):  # a stop asked within an epoch, on rank 0
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            if hvd.rank() == args.slow_rank:
-                time.sleep(args.slow_ms / 1000)
             if stop and hvd.rank() == 0 and [self.epoch + 1, batch + 1] == stop:
                 self.model.stop_training = True
 
     kept = k.callbacks.LambdaCallback()  # its `model`: the one fit trains
     data = hvdtrain.ArrayData(x, y, test=(x[:64], y[:64]))
-    checks = [Slow()] if args.slow_rank is not None else [Trace()]
+    checks = [Stop()] if args.slow_rank is not None else [Trace()]
     hvdtrain.fit(build_model, data, args, callbacks=[*checks, kept])
     os.makedirs(args.out, exist_ok=True)
     weights = [np.asarray(v.numpy()) for v in kept.model.weights]
