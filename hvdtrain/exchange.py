@@ -230,6 +230,8 @@ class LocalSGD(Exchange):
         self._timed, self._clock, self._step_times = False, None, []
 
     def steps_per_execution(self, default):
+        if self.balance is not None:  # rounds of unequal steps: a quarter of H or less
+            default = min(default, max(1, self.every // 4))
         self.unit = fitting_steps_per_execution(default, self.every)  # exchanges at their ends
         return self.unit
 

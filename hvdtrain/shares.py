@@ -4,15 +4,15 @@ With equal shares, the ranks of `--sync local/diloco` take the same steps betwee
 exchanges, and the faster rank waits at each exchange for the slower one. Balanced, the
 epoch's batches (the same ones, each trained once) are shared out unequally: a rank that took
 t seconds a step in the last epoch takes steps in proportion to 1/t in the next. Every rank
-still makes the same exchanges, at the same points of the epoch: rank r takes h_r steps
-between two (sum h_r = H x ranks), and its part of the epoch's last, shorter round in the
-same proportion. The ranks agree on the shares at each epoch's whole exchange, where they
-gather their step times; the first epoch, and any epoch with a synchronous step, is shared
-equally.
+still makes the same exchanges: rank r's k-th exchange falls k x H x s_r / S steps into its
+s_r steps (S: an equal share), on an execution's end. The ranks agree on the shares at each
+epoch's whole exchange, where they gather their step times; the first epoch, and any epoch
+with a synchronous step, is shared equally.
 
 Pure functions and a small state object; `hvdtrain.exchange` holds one per balanced run.
 """
 
+import bisect
 import dataclasses
 import math
 
@@ -24,28 +24,25 @@ __all__ = ["Share", "split", "plan_epoch", "Balance"]
 @dataclasses.dataclass(frozen=True)
 class Share:
     """One rank's part of one epoch: `steps` batches from batch `first` of the epoch's order
-    (each batch of the epoch on one rank), an exchange after every `every` steps up to
-    `last_point`, and one at its end. Its change since the last exchange counts for its
-    steps: x `weight` (its steps in a round over an equal share's), x `last_weight` in the
-    epoch's last round; the ranks' average of those is their changes' mean weighted by
-    steps."""
+    (each batch of the epoch on one rank), exchanges after the steps of `points` (the last
+    is `steps`). Its change since the last exchange counts for its steps in that round:
+    x its `weights` entry (ranks x its steps / all ranks' steps in the round), so that the
+    ranks' average is their changes' mean weighted by steps."""
 
     first: int
     steps: int
-    every: int
-    last_point: int
-    weight: float = 1.0
-    last_weight: float = 1.0
+    points: tuple
+    weights: tuple
 
     def exchange_due(self, step_in_epoch):
         """True after the `step_in_epoch`-th step (1-based) if the ranks exchange there."""
-        if step_in_epoch >= self.steps:
-            return True
-        return step_in_epoch % self.every == 0 and step_in_epoch <= self.last_point
+        return step_in_epoch >= self.steps or step_in_epoch in self.points
 
     def weight_at(self, step_in_epoch):
         """The weight of the round that ends after the `step_in_epoch`-th step."""
-        return self.weight if step_in_epoch <= self.last_point else self.last_weight
+        return self.weights[
+            min(bisect.bisect_left(self.points, step_in_epoch), len(self.points) - 1)
+        ]
 
 
 def split(total, weights, unit=1, minimum=1):
@@ -67,20 +64,36 @@ def split(total, weights, unit=1, minimum=1):
 
 def plan_epoch(steps, every, speeds, unit=1):
     """Every rank's `Share` of an epoch of `steps` steps a rank (equal shares) with an
-    exchange after every `every` steps and at the end, `speeds` (steps per second, one a
-    rank) setting the proportions; steps between exchanges in multiples of `unit` (the
-    steps per execution, which divides `every`). Pure."""
+    exchange after every `every` steps and at its end, `speeds` (steps per second, one a
+    rank) setting the proportions. Rank r takes s_r steps in proportion to its speed; its
+    k-th exchange falls at k x every x s_r / steps, on an execution's end (a multiple of
+    `unit`, the steps per execution, which divides `every`): every rank exchanges as often,
+    its rounds a step of `unit` longer or shorter than its share, and the epoch's total
+    its share within one step. Pure."""
     ranks = len(speeds)
     rounds = math.ceil(steps / every)
-    last = steps - (rounds - 1) * every  # the last round's steps, 1 to `every`
-    per_round = split(every * ranks, speeds, unit) if rounds > 1 else [0] * ranks
-    in_last = split(last * ranks, speeds)
+    # At least one execution a round: a mid-epoch exchange on an execution's end.
+    least = max(rounds, math.ceil(steps * unit / every)) if rounds > 1 else 1
+    totals = split(steps * ranks, speeds, 1, 0)
+    for r in range(ranks):  # the slowest raised to the least, from the largest share
+        short = least - totals[r]
+        if short > 0:
+            totals[r] += short
+            totals[max(range(ranks), key=totals.__getitem__)] -= short
+    points = []
+    for s in totals:
+        mids = [unit * round(k * every * s / (steps * unit)) for k in range(1, rounds)]
+        mids = [min(p, unit * ((s - 1) // unit)) for p in mids]  # before its end
+        points.append((*mids, s))
     shares, first = [], 0
-    for h, tail in zip(per_round, in_last, strict=True):
-        n = (rounds - 1) * h + tail
-        weight = h / every if h else tail / last  # (one round: the last one's)
-        shares.append(Share(first, n, h or n, (rounds - 1) * h, weight, tail / last))
-        first += n
+    for s, p in zip(totals, points, strict=True):
+        weights = []
+        for k in range(rounds):
+            mine = p[k] - (p[k - 1] if k else 0)
+            alls = sum(q[k] - (q[k - 1] if k else 0) for q in points)
+            weights.append(ranks * mine / alls)
+        shares.append(Share(first, s, p, tuple(weights)))
+        first += s
     return shares
 
 

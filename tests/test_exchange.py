@@ -71,7 +71,8 @@ def test_bad_combinations_are_one_line(options, words):
 @pytest.mark.parametrize(
     "steps, every, speeds, unit",
     [(10, 4, [1.0, 1.0], 1), (37, 16, [1.07, 1.0], 1), (37, 16, [1.07, 1.0], 4),
-     (10, 16, [2.0, 1.0], 1), (64, 8, [5.0, 1.0, 2.5], 2), (9, 3, [100.0, 1.0], 1)],
+     (10, 16, [2.0, 1.0], 1), (64, 8, [5.0, 1.0, 2.5], 2), (9, 3, [100.0, 1.0], 1),
+     (468, 16, [469.0, 246.0], 4), (468, 16, [100.0, 1.0], 4), (200, 16, [1.0, 3.0], 4)],
 )  # fmt: skip
 def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every, speeds, unit):
     """`--sync-balance`: the ranks' shares are runs of the epoch's batches, one after the
@@ -82,7 +83,7 @@ def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every
     shares = plan_epoch(steps, every, speeds, unit)
     ranks = len(speeds)
     assert [s.first for s in shares] == [sum(s.steps for s in shares[:r]) for r in range(ranks)]
-    assert sum(s.steps for s in shares) == steps * len(speeds)
+    assert sum(s.steps for s in shares) == steps * ranks
     rounds = -(-steps // every)
     for share, speed in zip(shares, speeds, strict=True):
         points = [k for k in range(1, share.steps + 1) if share.exchange_due(k)]
@@ -90,10 +91,14 @@ def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every
         assert all(p % unit == 0 for p in points[:-1])
         if speed == max(speeds):
             assert share.steps >= steps
-    assert sum(s.weight for s in shares) == pytest.approx(ranks)
-    assert sum(s.last_weight for s in shares) == pytest.approx(ranks)
-    if len(set(speeds)) == 1:
-        assert [(s.steps, s.every, s.weight) for s in shares] == [(steps, every, 1.0)] * len(speeds)
+        if len(set(speeds)) == 1:
+            assert share.steps == steps and points[:-1] == list(range(every, steps, every))
+    for k in range(rounds):  # each round's weights: ranks x its steps over all the steps
+        assert sum(s.weights[k] for s in shares) == pytest.approx(ranks)
+    fast, slow = max(shares, key=lambda s: s.steps), min(shares, key=lambda s: s.steps)
+    if len(set(speeds)) > 1 and unit == 1 and rounds > 1:  # in proportion, within a step
+        ratio = max(speeds) / min(speeds)
+        assert fast.steps / slow.steps == pytest.approx(ratio, rel=0.5) or slow.steps == rounds
 
 
 def test_balanced_shares_of_arrays_train_each_sample_once_an_epoch():

@@ -51,7 +51,7 @@ def main():
         model = k.Sequential(
             [
                 k.Input((FEATURES,)),
-                k.layers.Lambda(slow),
+                *([k.layers.Lambda(slow)] if args.slow_rank is not None else []),
                 k.layers.Dense(16, activation="relu"),
                 k.layers.BatchNormalization(),
                 k.layers.Dense(CLASSES),
