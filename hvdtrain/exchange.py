@@ -46,7 +46,7 @@ from hvdtrain import optim, watchdog
 from hvdtrain.errors import invalid_value
 from hvdtrain.flags import float16_refused
 from hvdtrain.gate import Gate
-from hvdtrain.shares import Balance
+from hvdtrain.shares import Balance, EqualShares
 
 __all__ = [
     "Exchange",
@@ -217,21 +217,17 @@ class LocalSGD(Exchange):
         self.waited = 0.0  # seconds the steps waited for exchanges, since the run began
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self._exchange_fn = self._state_fn = None
-        # --sync-balance: each epoch's shares from the last one's speeds (`hvdtrain.shares`).
-        self.balance = Balance() if cfg.sync_balance else None
-        self.epoch_by_epoch = self.balance is not None
+        # Each epoch's shares (`hvdtrain.shares`): equal, or by speed (--sync-balance).
+        self.balance = Balance() if cfg.sync_balance else EqualShares()
+        self.epoch_by_epoch = self.balance.balanced
         self.current = None  # this epoch's `Share`, or None (equal shares)
         self.weight = 1.0  # this round's change x this in the ranks' mean (its share)
         self._at_point = False  # whether the last execution ended at an exchange point
         self.unit = 1  # steps per execution (exchanges fall at an execution's end)
         self.optimizers = []
-        # This epoch's clock: the step after the last execution, and the times a step of its
-        # executions.
-        self._timed, self._clock, self._step_times = False, None, []
 
     def steps_per_execution(self, default):
-        if self.balance is not None:  # rounds of unequal steps: a quarter of H or less
-            default = min(default, max(1, self.every // 4))
+        default = self.balance.execution_steps(default, self.every)
         self.unit = fitting_steps_per_execution(default, self.every)  # exchanges at their ends
         return self.unit
 
@@ -272,7 +268,7 @@ class LocalSGD(Exchange):
         self.now(whole=True)
 
     def check_data(self, data):
-        if self.balance is not None and not data.shares:
+        if self.balance.balanced and not data.shares:
             raise invalid_value(
                 "--sync-balance",
                 True,
@@ -284,7 +280,7 @@ class LocalSGD(Exchange):
         """Equal shares for an epoch with synchronous steps (their gradients are averaged at
         every step), else the balance's."""
         self.current, self.weight = None, 1.0
-        if self.balance is not None and epoch * steps >= self.warmup:
+        if epoch * steps >= self.warmup:
             self.current = self.balance.share(hvd.rank(), steps, self.every, self.unit)
         return self.current
 
@@ -301,37 +297,28 @@ class LocalSGD(Exchange):
 
     def epoch_begins(self, global_step):
         """At an epoch's first step (every rank holds one model). Balanced, the step counts
-        set to the epoch's start (a rank's last epoch may have ended past it) and the
-        optimizers' steps too (their learning rates follow them)."""
-        self._timed = global_step >= self.warmup  # no synchronous step in it
-        self._clock, self._step_times = None, []
-        if self.balance is None or not self.in_agreement():
+        set to the epoch's start (a rank's last epoch may have ended past it), and each
+        optimizer's steps moved by as much (its learning rate follows them)."""
+        self.balance.begin_epoch(timed=global_step >= self.warmup)  # no synchronous step
+        if not self.balance.balanced or not self.in_agreement():
             return
-        self.step = self.agreed = self.agreed_whole = global_step
         for opt in self.optimizers:
-            opt.iterations.assign(global_step)
+            opt.iterations.assign_add(global_step - self.step)
+        self.step = self.agreed = self.agreed_whole = global_step
 
     def clock(self, step_in_epoch, seconds):
-        """After each execution: its `seconds` (from Keras's batch start to its end: the
-        steps and their data, no callback, no exchange) per step, unless it is the epoch's
-        first (tracing, the data's first batch)."""
-        if self._timed and self.balance is not None:
-            if self._clock is not None and step_in_epoch > self._clock:
-                self._step_times.append(seconds / (step_in_epoch - self._clock))
-            self._clock = step_in_epoch
+        """After each execution: its `seconds`, from Keras's start of it to its end."""
+        self.balance.clock(step_in_epoch, seconds)
 
     def epoch_ends(self):
         """At an epoch's end, after its whole exchange (every rank): balanced, the ranks'
-        speeds in its local steps (the median time a step) gathered for the next epoch's
-        shares."""
-        if self.balance is None:
-            return
-        times = sorted(self._step_times)
-        # (0: not timed, an epoch with synchronous steps or too short, and equal shares next)
-        speed = 1 / times[len(times) // 2] if times and times[len(times) // 2] > 0 else 0.0
-        self._clock, self._step_times = None, []
-        speeds = hvd.allgather(tf.constant([speed], tf.float64), name="hvdtrain.shares")
-        self.balance.measured([float(s) for s in speeds.numpy()])
+        speeds gathered for the next epoch's shares."""
+        self.balance.gather(self._allgather)
+
+    @staticmethod
+    def _allgather(value):
+        out = hvd.allgather(tf.constant([value], tf.float64), name="hvdtrain.shares")
+        return [float(v) for v in out.numpy()]
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
@@ -415,7 +402,7 @@ class LocalSGD(Exchange):
         out = f"{self.name} every {self.every} steps"
         if self.warmup:
             out += f" after {self.warmup} synchronous"
-        if self.balance is not None:
+        if self.balance.balanced:
             out += ", balanced by speed"
         return out
 
@@ -423,7 +410,7 @@ class LocalSGD(Exchange):
         return {
             "mode": self.mode,
             "every": self.every,
-            "balance": self.balance is not None,
+            "balance": self.balance.balanced,
             "warmup_steps": self.warmup,
             "outer_lr": None,
             "outer_lr_from": None,
@@ -438,7 +425,7 @@ class LocalSGD(Exchange):
 
     def rank_figures(self):
         out = {"exchange_waited_seconds": round(self.waited, 4)}
-        if self.balance is not None:
+        if self.balance.balanced:
             out["balanced_epoch_steps"] = list(self.balance.steps)
         return out
 
@@ -760,21 +747,21 @@ class ExchangeCallback(tf.keras.callbacks.Callback):
         super().__init__()
         self.exchange, self.steps, self.check = exchange, steps_per_epoch, check
         self.start_step = start_step
-        self._first = self._offset = self._last = 0
+        self._first = self._offset = 0
         self._began = 0.0  # when Keras began the current execution
         self.checked = False
 
     def on_epoch_begin(self, epoch, logs=None):
         # `fit` numbers batches from where it started: mid-epoch after a resume.
         self._first = epoch * self.steps
-        self._offset = self._last = max(0, self.start_step - self._first)
+        self._offset = max(0, self.start_step - self._first)
         self.exchange.epoch_begins(self._first + self._offset)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._began = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self._last = self._offset + batch + 1
+        step = self._offset + batch + 1
         self.exchange.clock(step, time.perf_counter() - self._began)
         if self.exchange.after_steps(self._first + step, step, self.steps):
             self._check()

@@ -97,25 +97,69 @@ def plan_epoch(steps, every, speeds, unit=1):
     return shares
 
 
-class Balance:
-    """A run's shares: equal until the ranks have timed an epoch of local steps, then each
-    epoch's from the last one's step times (`measured`)."""
+class EqualShares:
+    """Every rank's equal shard of each epoch (no `--sync-balance`): nothing to time."""
+
+    balanced = False
+    steps = ()  # this rank's steps in each balanced epoch: none
+
+    def execution_steps(self, default, every):
+        """The steps per execution to fit to H, from `default`."""
+        return default
+
+    def begin_epoch(self, timed):
+        """At an epoch's start; `timed`: whether its steps count for the next shares."""
+
+    def clock(self, step_in_epoch, seconds):
+        """After each execution: its `seconds`, and the step of the epoch it ended at."""
+
+    def share(self, rank, steps, every, unit):
+        """This rank's `Share` of the next epoch, or None for its equal shard."""
+        return None
+
+    def gather(self, allgather):
+        """At an epoch's end, on every rank alike: the ranks' speeds gathered (`allgather`:
+        one float of this rank -> every rank's), where the shares need them."""
+
+
+class Balance(EqualShares):
+    """`--sync-balance`: equal shares until the ranks have timed an epoch of local steps,
+    then each epoch's in proportion to the last one's speeds: the median time a step of its
+    executions (Keras's start of one to its end: no callback, no exchange, no other rank's
+    wait), the epoch's first execution (tracing, the data's first batch) left out."""
+
+    balanced = True
 
     def __init__(self):
         self.speeds = None  # steps per second, one a rank, from the last timed epoch
         self.steps = []  # this rank's steps in each balanced epoch (the metrics JSON)
+        self._timed, self._last, self._times = False, None, []
+
+    def execution_steps(self, default, every):
+        """At most a quarter of H: rounds that differ by less than H."""
+        return min(default, max(1, every // 4))
+
+    def begin_epoch(self, timed):
+        self._timed, self._last, self._times = timed, None, []
+
+    def clock(self, step_in_epoch, seconds):
+        if not self._timed:
+            return
+        if self._last is not None and step_in_epoch > self._last:
+            self._times.append(seconds / (step_in_epoch - self._last))
+        self._last = step_in_epoch
 
     def share(self, rank, steps, every, unit):
-        """This rank's `Share` of the next epoch, or None for equal shares."""
         if self.speeds is None or len(self.speeds) <= rank:
             return None
         share = plan_epoch(steps, every, self.speeds, unit)[rank]
         self.steps.append(share.steps)
         return share
 
-    def measured(self, speeds):
-        """The ranks' gathered steps per second of the epoch just ended (None: not timed)."""
-        if speeds and all(s and s > 0 for s in speeds):
-            self.speeds = list(speeds)
-        else:
-            self.speeds = None
+    def gather(self, allgather):
+        times = sorted(self._times)
+        median = times[len(times) // 2] if times else 0.0
+        # 0: not timed (synchronous steps, or one execution), and equal shares next
+        speeds = allgather(1 / median if median > 0 else 0.0)
+        self.speeds = list(speeds) if all(s > 0 for s in speeds) else None
+        self._timed, self._last, self._times = False, None, []

@@ -101,6 +101,36 @@ def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every
         assert fast.steps / slow.steps == pytest.approx(ratio, rel=0.5) or slow.steps == rounds
 
 
+def test_balance_times_executions_and_shares_equally_until_an_epoch_is_timed():
+    """The speed is the median time a step of an epoch's executions, its first (tracing)
+    left out; an epoch not timed (synchronous steps) or a rank that timed nothing gives equal
+    shares next; equal shares gather nothing (no collective)."""
+    from hvdtrain.shares import Balance, EqualShares
+
+    balance, sent = Balance(), []
+
+    def allgather(value):
+        sent.append(value)
+        return [value, value / 2]  # rank 1 half as fast
+
+    assert balance.share(0, 40, 8, 4) is None and balance.execution_steps(16, 16) == 4
+    balance.begin_epoch(timed=True)
+    for step, seconds in ((4, 9.0), (8, 0.04), (12, 0.04), (16, 0.08)):  # 10 ms a step
+        balance.clock(step, seconds)
+    balance.gather(allgather)
+    assert sent == [pytest.approx(100.0)] and balance.speeds == [pytest.approx(100), 50]
+    fast, slow = balance.share(0, 40, 8, 4), Balance.share(balance, 1, 40, 8, 4)
+    assert fast.steps > 40 > slow.steps and fast.steps + slow.steps == 80
+    balance.begin_epoch(timed=False)  # an epoch of synchronous steps
+    balance.clock(4, 0.04)
+    balance.gather(allgather)
+    assert sent[-1] == 0.0 and balance.speeds is None and balance.share(0, 40, 8, 4) is None
+    equal = EqualShares()
+    equal.gather(allgather)
+    assert len(sent) == 2 and equal.share(0, 40, 8, 4) is None
+    assert equal.execution_steps(16, 16) == 16
+
+
 def test_balanced_shares_of_arrays_train_each_sample_once_an_epoch():
     """`ArrayData.train_share`: shares of any sizes train each sample of an epoch once, in
     an order that differs from epoch to epoch and depends only on (seed, epoch)."""
