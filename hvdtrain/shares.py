@@ -18,7 +18,7 @@ import math
 
 from hvdtrain.errors import invalid_value
 
-__all__ = ["Share", "split", "plan_epoch", "Balance"]
+__all__ = ["Share", "split", "plan_epoch", "EqualShares", "Balance"]
 
 
 @dataclasses.dataclass(frozen=True)
