@@ -122,11 +122,15 @@ def train_dataset(
             positions = tf.random.experimental.index_shuffle(positions, epoch_seed, last)
         return tf.nest.map_structure(lambda t: tf.gather(t, positions), arrays)
 
-    ds = tf.data.Dataset.range(start_step, 2**62).map(batch_of)
+    return _mapped(tf.data.Dataset.range(start_step, 2**62).map(batch_of), map_fn, batch_size)
+
+
+def _mapped(batches, map_fn, batch_size):
+    """`batches` with `map_fn` per sample (parallel, order kept), prefetched."""
     if map_fn is not None:
-        ds = ds.unbatch().map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.batch(batch_size, drop_remainder=True)
-    return ds.prefetch(tf.data.AUTOTUNE)
+        ds = batches.unbatch().map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        batches = ds.batch(batch_size, drop_remainder=True)
+    return batches.prefetch(tf.data.AUTOTUNE)
 
 
 def share_dataset(arrays, batch_size, *, seed, epoch, first, steps, map_fn=None):
@@ -147,11 +151,7 @@ def share_dataset(arrays, batch_size, *, seed, epoch, first, steps, map_fn=None)
         positions = tf.random.experimental.index_shuffle(positions, key, last)
         return tf.nest.map_structure(lambda t: tf.gather(t, positions), arrays)
 
-    ds = tf.data.Dataset.range(first, first + steps).map(batch_of)
-    if map_fn is not None:
-        ds = ds.unbatch().map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.batch(batch_size, drop_remainder=True)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _mapped(tf.data.Dataset.range(first, first + steps).map(batch_of), map_fn, batch_size)
 
 
 def eval_dataset(x, y, batch_size, rank, size, map_fn=None, sample_weight=None):
@@ -264,7 +264,6 @@ class Data:
 
     source = "data"  # a short name for the metrics JSON
     batch_size = None  # a batch size the data fixes itself (batches made in Python), or None
-    shares = False  # whether `train_share` gives a rank any part of an epoch (--sync-balance)
 
     def prepare(self, placement, seed=0):
         """Reads what it must (counts, file lists) and agrees with the other ranks."""
@@ -289,6 +288,11 @@ class Data:
         """The batches `first` to `first + steps` of epoch `epoch` in an order over all ranks
         (`--sync-balance`: a rank's unequal share, `hvdtrain.shares`); where `shares`."""
         raise NotImplementedError
+
+    @property
+    def shares(self):
+        """Whether `train_share` gives a rank any part of an epoch: a form that defines it."""
+        return type(self).train_share is not Data.train_share
 
     @property
     def has_test(self):
@@ -326,8 +330,6 @@ class ArrayData(Data):
         source: a short name of where the data came from; notice: one line saying so.
         sample_weight: a weight per training sample (or a dict of them per output), or None.
     """
-
-    shares = True
 
     def __init__(
         self,

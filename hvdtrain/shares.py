@@ -16,8 +16,6 @@ import bisect
 import dataclasses
 import math
 
-from hvdtrain.errors import invalid_value
-
 __all__ = ["Share", "split", "plan_epoch", "EqualShares", "Balance"]
 
 
@@ -45,21 +43,14 @@ class Share:
         ]
 
 
-def split(total, weights, unit=1, minimum=1):
-    """`total` (a multiple of `unit`) in integer parts in proportion to `weights`, each a
-    multiple of `unit` and at least `minimum` units; largest remainders first. Pure."""
-    n = len(weights)
-    if total % unit or total < n * minimum * unit:
-        raise invalid_value("total", total, f"a multiple of {unit}, at least {n * minimum * unit}")
-    units = total // unit
-    free = units - n * minimum
-    scale = sum(weights)
-    exact = [free * w / scale for w in weights]
+def split(total, weights):
+    """`total` in integer parts in proportion to `weights`, largest remainders first. Pure."""
+    exact = [total * w / sum(weights) for w in weights]
     parts = [math.floor(e) for e in exact]
-    order = sorted(range(n), key=lambda i: (parts[i] - exact[i], i))
-    for i in order[: free - sum(parts)]:
+    order = sorted(range(len(parts)), key=lambda i: (parts[i] - exact[i], i))
+    for i in order[: total - sum(parts)]:
         parts[i] += 1
-    return [(p + minimum) * unit for p in parts]
+    return parts
 
 
 def plan_epoch(steps, every, speeds, unit=1):
@@ -74,7 +65,7 @@ def plan_epoch(steps, every, speeds, unit=1):
     rounds = math.ceil(steps / every)
     # At least one execution a round: a mid-epoch exchange on an execution's end.
     least = max(rounds, math.ceil(steps * unit / every)) if rounds > 1 else 1
-    totals = split(steps * ranks, speeds, 1, 0)
+    totals = split(steps * ranks, speeds)
     for r in range(ranks):  # the slowest raised to the least, from the largest share
         short = least - totals[r]
         if short > 0:
@@ -85,14 +76,12 @@ def plan_epoch(steps, every, speeds, unit=1):
         mids = [unit * round(k * every * s / (steps * unit)) for k in range(1, rounds)]
         mids = [min(p, unit * ((s - 1) // unit)) for p in mids]  # before its end
         points.append((*mids, s))
+    lengths = [[b - a for a, b in zip((0, *p), p, strict=False)] for p in points]  # rounds
+    per_round = [sum(column) for column in zip(*lengths, strict=True)]
     shares, first = [], 0
-    for s, p in zip(totals, points, strict=True):
-        weights = []
-        for k in range(rounds):
-            mine = p[k] - (p[k - 1] if k else 0)
-            alls = sum(q[k] - (q[k - 1] if k else 0) for q in points)
-            weights.append(ranks * mine / alls)
-        shares.append(Share(first, s, p, tuple(weights)))
+    for s, p, own in zip(totals, points, lengths, strict=True):
+        weights = tuple(ranks * m / n for m, n in zip(own, per_round, strict=True))
+        shares.append(Share(first, s, p, weights))
         first += s
     return shares
 
