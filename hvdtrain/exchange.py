@@ -313,12 +313,7 @@ class LocalSGD(Exchange):
     def epoch_ends(self):
         """At an epoch's end, after its whole exchange (every rank): balanced, the ranks'
         speeds gathered for the next epoch's shares."""
-        self.balance.gather(self._allgather)
-
-    @staticmethod
-    def _allgather(value):
-        out = hvd.allgather(tf.constant([value], tf.float64), name="hvdtrain.shares")
-        return [float(v) for v in out.numpy()]
+        self.balance.gather(lambda speed: hvd.allgather_object(speed, name="hvdtrain.shares"))
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is due.
