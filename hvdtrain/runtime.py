@@ -120,8 +120,9 @@ def init(
     before `hvd.init()`, where the environment does not set them, a 0.1 ms Horovod cycle
     (with more than one rank) and MPI waits that yield the core; after it, on CPU-only
     hosts, Horovod's background threads are scheduled SCHED_BATCH, so they do not preempt
-    the compute at every wake-up. With HVDTRAIN_CPU_BIND=cores, where nothing bound the
-    ranks to cores, each rank's threads are bound to its share of the host's cores.
+    the compute at every wake-up. Where nothing bound the ranks to cores, each rank's threads
+    are bound to its share of the host's cores under `exchanges_rarely` on CPU-only hosts,
+    or in every case with HVDTRAIN_CPU_BIND=cores (HVDTRAIN_CPU_BIND=none: never).
 
     Args:
         threads: intra-op threads per rank; by default the host's cores / local ranks.
@@ -138,7 +139,8 @@ def init(
             uncaught exception's traceback.
         exchanges_rarely: the ranks meet every few steps only (`hvdtrain.fit`'s `--sync
             local` and `diloco`: its exchange strategy says so), and Horovod's cycle is
-            longer (`hvdtrain.tuning.EXCHANGE_CYCLE_TIME_MS`).
+            longer (`hvdtrain.tuning.EXCHANGE_CYCLE_TIME_MS`); on a CPU-only host each rank
+            is then bound to its share of the cores (`hvdtrain.tuning.cores_for_rank`).
 
     Returns:
         The GPU index used, or None on a CPU-only host.
@@ -171,8 +173,12 @@ def init(
         )
     cpus = os.cpu_count() or 1
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    gpus = tf.config.list_physical_devices("GPU")  # does not start TensorFlow's runtime
     if allowed is not None:
-        cores = tuning.cores_for_rank(os.environ, allowed, cpus, hvd.local_rank(), hvd.local_size())
+        cores = tuning.cores_for_rank(
+            os.environ, allowed, cpus, hvd.local_rank(), hvd.local_size(),
+            default=exchanges_rarely and not gpus,
+        )  # fmt: skip
         if cores and tuning.bind(tuning.thread_ids(), cores):  # see hvdtrain.tuning
             allowed = cores
     n = threads or threads_per_rank(cpus, hvd.local_size(), len(allowed) if allowed else None)
@@ -190,7 +196,6 @@ def init(
                 n,
             )
     _initialised = True
-    gpus = tf.config.list_physical_devices("GPU")
     policy = tuning.background_policy(os.environ, bool(gpus))
     if policy != "normal":
         tuning.set_policy(horovod_threads, policy)  # see hvdtrain.tuning

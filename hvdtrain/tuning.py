@@ -31,19 +31,24 @@ none of them changes the training math.
   a SCHED_IDLE thread starves when other processes load the machine, and every allreduce
   would then wait for it. GPU hosts keep normal scheduling (the CPU there feeds the input
   pipeline, which the background thread must not wait behind).
-- `cores_for_rank` (opt-in, HVDTRAIN_CPU_BIND=cores): after `hvd.init()`, where nothing
-  bound the ranks to cores (`horovodrun` and `hvdtrain-run` start them with `--bind-to
-  none`; a process allowed on all the host's cores), each rank's threads are bound to its
-  own share of the cores, as `mpirun` binds ranks by default. It pays for a small model
-  whose ranks wait on each other every step: through `hvdtrain.fit`, the MNIST MLP at -np 2
-  (batch 64, `--sync step`) ran at 19,400-23,700 samples/s bound against 15,100-17,200
-  under Gloo, and the same under MPI. It costs where a rank's own threads share the work
-  (an input pipeline that augments): the main job's convnet ran at 648-749 samples/s
-  bound against 724-798 (2026-11-29, runs in turn). So it is not the default.
+- `cores_for_rank`: after `hvd.init()`, where nothing bound the ranks to cores
+  (`horovodrun` and `hvdtrain-run` start them with `--bind-to none`; a process allowed on
+  all the host's cores), each rank's threads are bound to its own share of the cores, as
+  `mpirun` binds ranks by default. By default only under `--sync local/diloco` on CPU-only
+  hosts, whose ranks compute on their own between exchanges: through `hvdtrain.fit`, local
+  SGD at H=16 on the MNIST MLP at -np 2 (batch 64) ran at 0.92-0.93 of the ceiling bound
+  against 0.68-0.70 unbound under MPI, 0.78-0.90 against 0.65-0.73 under Gloo; the convnet
+  (its augmenting input pipeline on the rank's threads) within 3 % either way (2026-11-30,
+  two rounds interleaved with the ceiling). HVDTRAIN_CPU_BIND=cores binds in every mode: it pays for
+  a small model whose ranks wait on each other every step (the MLP under `--sync step`,
+  19,400-23,700 samples/s bound against 15,100-17,200 under Gloo), and costs where a
+  rank's own threads share the work while it waits (the main job's convnet ran at 648-749
+  samples/s bound against 724-798, 2026-11-29, runs in turn).
+  HVDTRAIN_CPU_BIND=none never binds.
 
 The user always wins: variables already set (by hand, `hvdtrain-run --cycle-time-ms`,
 `-x`) are kept, HVDTRAIN_HOROVOD_THREAD=idle|batch|normal chooses the scheduling,
-HVDTRAIN_CPU_BIND=cores the binding, and `compile_options(steps_per_execution=...)`
+HVDTRAIN_CPU_BIND=cores|none the binding, and `compile_options(steps_per_execution=...)`
 overrides.
 """
 
@@ -76,7 +81,7 @@ EXCHANGE_CYCLE_TIME_MS = 1.0
 _SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 _THREAD_ENV = "HVDTRAIN_HOROVOD_THREAD"  # "batch" (default on CPU-only hosts), "idle", "normal"
 _POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
-_BIND_ENV = "HVDTRAIN_CPU_BIND"  # "cores", or "none" (the default)
+_BIND_ENV = "HVDTRAIN_CPU_BIND"  # "cores" or "none"; unset: `cores_for_rank`'s default
 
 
 def compile_options(steps_per_epoch=None, steps_per_execution=None):
@@ -188,14 +193,16 @@ def _per_thread(tids, call):
     return done
 
 
-def cores_for_rank(environ, allowed, cpu_count, local_rank, local_size):
+def cores_for_rank(environ, allowed, cpu_count, local_rank, local_size, default=False):
     """The cores this rank's threads are bound to, or None to leave them as they are (pure).
 
     Args:
-        environ: read for HVDTRAIN_CPU_BIND ("cores": bind; "none", the default: never).
+        environ: read for HVDTRAIN_CPU_BIND ("cores": bind; "none": never; unset: `default`).
         allowed: the cores the process may run on now (`os.sched_getaffinity(0)`).
         cpu_count: the host's cores (`os.cpu_count()`).
         local_rank, local_size: this rank among the host's ranks.
+        default: bind where HVDTRAIN_CPU_BIND is unset (`hvdtrain.init` passes True under
+            `--sync local/diloco` on a CPU-only host).
 
     Only where nothing bound the ranks (`allowed` is every core of the host: a launcher or
     a scheduler that binds gives each rank fewer) and each local rank gets at least one
@@ -204,7 +211,7 @@ def cores_for_rank(environ, allowed, cpu_count, local_rank, local_size):
     choice = environ.get(_BIND_ENV, "").strip().lower()
     if choice not in ("", "cores", "none"):
         raise invalid_value(_BIND_ENV, environ[_BIND_ENV], "cores or none")
-    if choice != "cores":
+    if choice == "none" or (choice == "" and not default):
         return None
     share = len(allowed) // max(1, local_size)
     if local_size < 2 or share < 1 or len(allowed) != cpu_count:

@@ -80,6 +80,11 @@ def test_ranks_are_bound_to_their_share_of_the_cores_when_asked_where_nothing_bo
     assert cores(on, {2, 3}, 8, 0, 2) is None  # bound already (mpirun, SLURM, cpuset)
     assert cores({}, {0, 1}, 2, 0, 2) is None  # the default: as they are
     assert cores({"HVDTRAIN_CPU_BIND": "None"}, {0, 1}, 2, 0, 2) is None
+    # --sync local/diloco on a CPU-only host: bound unless the user says none
+    assert cores({}, {0, 1}, 2, 1, 2, default=True) == {1}
+    assert cores({"HVDTRAIN_CPU_BIND": "none"}, {0, 1}, 2, 1, 2, default=True) is None
+    assert cores({}, {2, 3}, 8, 0, 2, default=True) is None  # a launcher's binding is kept
+    assert cores({}, {0, 1}, 2, 2, 3, default=True) is None  # more ranks than cores
     with pytest.raises(HvdtrainError, match="HVDTRAIN_CPU_BIND`: received 'core'"):
         cores({"HVDTRAIN_CPU_BIND": "core"}, {0, 1}, 2, 0, 2)
 
@@ -130,7 +135,7 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(
         "import os, hvdtrain, horovod.tensorflow as hvd\n"
-        "hvdtrain.init()\n"
+        "hvdtrain.init(exchanges_rarely='RARELY' in os.environ)\n"
         "batch = sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH\n"
         "           for t in os.listdir('/proc/self/task'))\n"
         "line = f\"rank {hvd.rank()} {os.environ.get('HOROVOD_CYCLE_TIME')} \"\n"
@@ -144,6 +149,8 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2", HVDTRAIN_CPU_BIND="cores")
     share = every // 2 if every == os.cpu_count() else every  # a bound pytest: left alone
     assert out.stdout.count(f"2 1 True cores {share}") == 2, out.stdout  # the user's cycle
+    out = run_job(2, "gloo", [str(script)], RARELY="1")  # as under --sync local/diloco
+    assert out.stdout.count(f"1 1 True cores {share}") == 2, out.stdout  # bound by default
     proc = run_job(1, "none", [str(script)])
     assert f"rank 0 None 1 True cores {every}" in proc.stdout, proc.stdout
     assert "TensorFlow started before" not in proc.stderr
