@@ -83,14 +83,17 @@ def decompose(ms, inside):
             gradient: the transfer and the sum alone).
 
         and for each `local-H` job (`--sync`), {"local-H": {"exchange": ..., "together":
-        ...}}: its exchange as it took in the loop (every H steps: the wait for the slower
-        rank in it) and in a tight loop, the ranks arriving together.
+        ..., "together_cpu": ...}}: its exchange as it took in the loop (every H steps: the
+        wait for the slower rank in it), in a tight loop with the ranks arriving together,
+        and the rank's CPU time in that exchange (all its threads: the work a core must do,
+        which no overlap hides on a rank of one core).
 
     The lower bound: the unconnected step, the wait and the transfer with the ranks
     together; no copy, no averaging, nothing else. The bare path: the unconnected step and
     the calls as they took inside the step (the `MPI_Allreduce` and the / n). A `local-H`
-    job's parts: its local steps (its step less its exchange / H) and its bound (the
-    unconnected step and the exchange with the ranks together / H: no wait).
+    job's parts: its local steps (its step less its exchange / H), its bound (the
+    unconnected step and the exchange with the ranks together / H: no wait), and the bound
+    of an overlap on one core (the unconnected step and the exchange's CPU time / H).
     """
     alone, pair = ms["alone"], ms["side-by-side"]
     bound = pair + inside["sync"] + inside["mpi_together"]
@@ -110,6 +113,7 @@ def decompose(ms, inside):
                 **parts,
                 "local_step": ms[job] - parts["exchange"] / _every(job),
                 "bound_of_ceiling": pair / (pair + parts["together"] / _every(job)),
+                "overlap_bound_of_ceiling": pair / (pair + parts["together_cpu"] / _every(job)),
             }
             for job, parts in inside.items()
             if job.startswith("local-")
@@ -150,11 +154,13 @@ def markdown(ms, parts):
     ]
     if parts["local"]:
         lines += ["", "| job | the exchange in the loop, ms | the ranks together, ms | "
-                  "local steps, ms per step | of the ceiling | its bound |",
-                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+                  "its CPU, ms | local steps, ms per step | of the ceiling | its bound | "
+                  "overlapped on one core, its bound |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         lines += [f"| {job} | {p['exchange']:.2f} | {p['together']:.2f} | "
-                  f"{p['local_step']:.3f} | {parts['of_ceiling'][job]:.2f} | "
-                  f"{p['bound_of_ceiling']:.2f} |"
+                  f"{p['together_cpu']:.2f} | {p['local_step']:.3f} | "
+                  f"{parts['of_ceiling'][job]:.2f} | {p['bound_of_ceiling']:.2f} | "
+                  f"{p['overlap_bound_of_ceiling']:.2f} |"
                   for job, p in parts["local"].items()]  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -301,17 +307,20 @@ def _worker(exchange, model_name, batch, calls):
     inside = {}
     if local:  # the exchange's ms as in the loop, then with the ranks arriving together
         mine = 1e3 * spent["exchange"] / max(spent["exchanges"], 1)
-        together = []
+        together, cpu = [], []  # wall, and the process's CPU (every thread of it)
         for _ in range(TOGETHER):
             hvd.allreduce(tf.constant(0.0), name="floor.barrier").numpy()
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             exchanges.step += 1
             exchanges.now()
             together.append(time.perf_counter() - start)
-        both = hvd.allgather_object((mine, 1e3 * statistics.median(together)))
-        inside = {"exchange": statistics.mean(m for m, _ in both),
-                  "together": statistics.mean(t for _, t in both),
-                  "exchange_by_rank": [m for m, _ in both]}  # fmt: skip
+            cpu.append(time.process_time() - used)
+        mine = (mine, 1e3 * statistics.median(together), 1e3 * statistics.mean(cpu))
+        both = hvd.allgather_object(mine)
+        inside = {"exchange": statistics.mean(m[0] for m in both),
+                  "together": statistics.mean(m[1] for m in both),
+                  "together_cpu": statistics.mean(m[2] for m in both),
+                  "exchange_by_rank": [m[0] for m in both]}  # fmt: skip
     if comm is not None:  # every rank's mean per step (the wait falls on the faster one)
         n = max(spent["steps"], 1)
         mine = {"call": 1e3 * spent["call"] / n, "scale": 1e3 * spent["scale"] / n}
