@@ -148,10 +148,12 @@ class Exchange:
         shares), or None for its equal shard."""
         return None
 
-    def common_step(self):
-        """True when every rank is at the same point of the epoch after this execution (a
-        collective may run there); False between the exchanges of unequal shares."""
-        return True
+    def stop_agreed(self, mine, agree):
+        """Within an epoch, after an execution (every rank): whether the ranks agree to stop,
+        `mine` this rank's ask. `agree(mine)` is a collective that says whether any rank
+        asked; it runs where the ranks meet after this execution. None: not here (the ask
+        is held to a later one)."""
+        return agree(mine)
 
     def rank_steps(self):
         """This rank's steps in the current epoch where its share is not equal, else None."""
@@ -284,10 +286,11 @@ class LocalSGD(Exchange):
             self.current = self.balance.share(hvd.rank(), steps, self.every, self.unit)
         return self.current
 
-    def common_step(self):
-        """In the synchronous warmup every step; then the exchange points only: a collective
-        between them (a callback's stop agreed at every step) would hold the ranks in step."""
-        return self.syncing or self._at_point
+    def stop_agreed(self, mine, agree):
+        """In the synchronous warmup at every execution; then at the exchange points only: a
+        collective between them would hold the ranks in step (and under `--sync-balance`
+        wait for steps another rank does not take)."""
+        return agree(mine) if self.syncing or self._at_point else None
 
     def due(self, step_in_epoch, steps_per_epoch):
         """True where an exchange falls after the `step_in_epoch`-th step of this epoch."""
@@ -526,6 +529,9 @@ class _Overlapped:
         self.waited_pending = 0.0  # the part of it the steps waited for
         self._rounds = 0
         self._reduce_fn = None
+        # A callback's stop within an epoch travels with the rounds' exchanges: this rank's
+        # ask for the next round, and the ranks' verdict of the round that landed last.
+        self._asking, self._verdict = False, None
 
     def attach(self, model, optimizers):
         super().attach(model, optimizers)
@@ -535,6 +541,7 @@ class _Overlapped:
     def begin(self, start_step, lr_warmup_steps):
         super().begin(start_step, lr_warmup_steps)
         self.pending = None  # (an elastic reset: the old job's exchange is gone with it)
+        self._asking, self._verdict = False, None
         self._new_round(self.weights)
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
@@ -565,6 +572,19 @@ class _Overlapped:
     def in_agreement(self):
         return self.pending is None and super().in_agreement()
 
+    def stop_agreed(self, mine, agree):
+        """Between whole exchanges without a collective of its own: the ask goes with the
+        next round's exchange, and the ranks stop where the round that carried it lands (at
+        most two exchange points after the ask). A blocking 4-byte allreduce at each point
+        would wait for the slower rank and hide nothing."""
+        if self.syncing:
+            return agree(mine)
+        self._asking = mine
+        if not self._at_point:
+            return None
+        verdict, self._verdict = self._verdict, None
+        return verdict
+
     def ready_to_commit(self):
         """Between whole exchanges an exchange is always in flight, so the ranks never agree
         there: a due commit makes them agree at once (the whole exchange of a checkpoint)."""
@@ -582,7 +602,8 @@ class _Overlapped:
             began = time.perf_counter()
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
             self._land()
-            self.pending = _InFlight(self._mean, self._counted(own))
+            asking = tf.constant(float(self._asking), tf.float32)
+            self.pending = _InFlight(self._mean, [*self._counted(own), asking])
             self._continue_from(self.stand_in(own))
             self.exchanges += 1
             self.bytes += self.per_exchange
@@ -598,6 +619,7 @@ class _Overlapped:
         )
         began = time.perf_counter()
         self._land()
+        self._verdict = None  # a whole exchange: the ranks agree on a stop themselves
         if self.step > self.round_start:  # this round's change, at once
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
             self.move_anchor(self._mean(self._counted(own)))
@@ -623,6 +645,8 @@ class _Overlapped:
         self.waited_pending += time.perf_counter() - began
         self.exchange_seconds += seconds
         self.pending = None
+        *mean, asked = mean  # the ranks' mean ask: above 0 where any rank asked to stop
+        self._verdict = bool(asked.numpy() > 0)
         self.move_anchor(mean)
 
     def _counted(self, own):

@@ -354,7 +354,7 @@ class Run:
         self.user.run_params = {"epochs": cfg.epochs, "steps": steps}
         rates = [s.rate for s in b.optimizers.schedules.values() if s.rate is not None]
         self.steering = usercallbacks.AgreedSteering(
-            rates, self.user.stops_in_epochs, on_stop=self.on_stop, common=b.exchange.common_step
+            rates, self.user.stops_in_epochs, on_stop=self.on_stop, agreeing=b.exchange.stop_agreed
         )
         out = [
             self.watchdog,

@@ -240,21 +240,23 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     `model.stop_training` (at each epoch's end, and after each execution when a callback
     of the user's acts within epochs), and takes rank 0's single-worker learning rates
     (`rates`, variables) at each epoch's start and end. The stop it agreed on is `stopped`
-    (the epoch, or None). `common`: `() -> bool`, whether the ranks meet after this
-    execution (under `--sync local/diloco`, at exchanges only): within epochs it agrees
-    there only."""
+    (the epoch, or None). `agreeing`: `(mine, agree) -> bool | None`, the run's exchange's
+    `stop_agreed` (under `--sync local/diloco` the ranks agree within epochs at exchanges
+    only); by default `agree(mine)` after every execution."""
 
-    def __init__(self, rates, within_epochs=False, on_stop=None, common=None):
+    def __init__(self, rates, within_epochs=False, on_stop=None, agreeing=None):
         super().__init__()
         self.rates, self.within_epochs, self.on_stop = list(rates), within_epochs, on_stop
-        self.common = common
-        self._asked = False  # a stop asked between two meetings of the ranks
+        self.agreeing = agreeing or (lambda mine, agree: agree(mine))
+        self._asked = False  # a stop asked and not yet agreed on
         self.stopped = None
         self._epoch = 0
 
     def _stop_agreed(self):
-        mine = self._asked or bool(getattr(self.model, "stop_training", False))
-        self._asked = False
+        return self._agree(self._asked or bool(getattr(self.model, "stop_training", False)))
+
+    def _agree(self, mine):
+        """Every rank: whether any rank's `mine` is True (a collective)."""
         if hvd.size() > 1:
             # Between steps, for the other ranks: a rank stuck on its own is the one named.
             watchdog.doing(
@@ -263,6 +265,7 @@ class AgreedSteering(tf.keras.callbacks.Callback):
             )
             flag = tf.constant(int(mine), tf.int32)
             mine = bool(hvd.allreduce(flag, op=hvd.Max, name="hvdtrain.stop_training").numpy())
+        self._asked = False
         self.model.stop_training = mine
         return mine
 
@@ -285,11 +288,13 @@ class AgreedSteering(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if not self.within_epochs:
             return
-        if self.common is not None and not self.common():  # held until the ranks meet
-            self._asked = self._asked or bool(getattr(self.model, "stop_training", False))
-            self.model.stop_training = False
+        mine = self._asked or bool(getattr(self.model, "stop_training", False))
+        verdict = self.agreeing(mine, self._agree)
+        if verdict is None or (not verdict and mine):  # held until the ranks agree on it
+            self._asked, self.model.stop_training = mine, False
             return
-        if self._stop_agreed():
+        self._asked, self.model.stop_training = False, verdict
+        if verdict:
             self._stop(self._epoch)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -382,6 +382,25 @@ def test_a_callbacks_stop_within_a_balanced_epoch_is_agreed_at_an_exchange(share
     assert _largest_difference(w0, w1) == 0
 
 
+@pytest.mark.parametrize("keras, mode", [("2", "local"), ("3", "diloco")])
+def test_an_overlapped_runs_stop_within_an_epoch_travels_with_the_exchanges(
+    keras, mode, shared_jobs, tmp_path
+):
+    """Under the overlap a callback's stop is carried by the next round's exchange, not by a
+    collective of its own (which would wait for the slower rank at every exchange point).
+    Rank 0 asks after step 3 of epoch 3 (H=2: points at 2, 4, 6, ...): the round started
+    at step 4 carries the ask and lands at step 6, where both ranks stop: 5 exchanges in
+    each of epochs 1-2 and 3 in epoch 3 (a stop agreed at the epoch's end would make 15, a
+    blocking agreement at step 4 12), one model at the end."""
+    (w0, w1), m = _run(shared_jobs, tmp_path, "--sync", mode, "--sync-every", "2",
+                       "--sync-warmup-steps", "0", "--sync-overlap", "--epochs", "4",
+                       "--stop-at", "3,3", keras=keras)  # fmt: skip
+    assert m["status"] == "finished" and m["stopped_early"] == 3
+    assert m["sync"]["exchanges"] == 13, m["sync"]
+    assert all(len(v) == 3 for v in m["history"].values())
+    assert _largest_difference(w0, w1) == 0
+
+
 def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_jobs, tmp_path):
     (local, _), _ = _run(shared_jobs, tmp_path / "local", "--sync", "local", "--sync-every", "4",
                          "--sync-warmup-steps", "0")  # fmt: skip

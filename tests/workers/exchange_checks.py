@@ -9,7 +9,7 @@ Each rank writes OUT/rank<r>.npz (its final weights, trainable and not) and OUT/
 checksum gathered from every rank at every step: give --steps-per-execution 1). With
 `--slow-rank R --slow-ms T` rank R's model sleeps T ms in each step (a slower rank; no trace
 then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's callback
-stops training after the S-th step of epoch E (1-based).
+stops training after the S-th step of epoch E (1-based; no trace either).
 """
 
 import json
@@ -85,7 +85,7 @@ def main():
 
     kept = k.callbacks.LambdaCallback()  # its `model`: the one fit trains
     data = hvdtrain.ArrayData(x, y, test=(x[:64], y[:64]))
-    checks = [Stop()] if args.slow_rank is not None else [Trace()]
+    checks = [Stop()] if stop or args.slow_rank is not None else [Trace()]
     hvdtrain.fit(build_model, data, args, callbacks=[*checks, kept])
     os.makedirs(args.out, exist_ok=True)
     weights = [np.asarray(v.numpy()) for v in kept.model.weights]
