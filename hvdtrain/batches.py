@@ -597,10 +597,39 @@ class BatchData(Data):
     def order(self, epoch, seed, placement):
         """The batch indices `placement`'s rank loads in `epoch` (pure: every rank draws the
         same order, then takes every ranks-th batch of it from its rank on)."""
-        indices = np.arange(self._full)
-        if self.shuffle:
-            indices = np.random.default_rng([seed, epoch, 0xBA7C]).permutation(self._full)
+        indices = self._epoch_order(epoch, seed)
         return [int(i) for i in indices[placement.rank :: placement.size][: self._steps]]
+
+    def _epoch_order(self, epoch, seed):
+        """The full batches' indices in epoch `epoch`'s order, the same on every rank."""
+        if not self.shuffle:
+            return np.arange(self._full)
+        return np.random.default_rng([seed, epoch, 0xBA7C]).permutation(self._full)
+
+    @property
+    def shares(self):
+        """Batches by index (a `Sequence`, a `PyDataset`) can be shared out unequally; a
+        generator's are its own."""
+        return isinstance(self.train, _Indexed)
+
+    def train_share(self, batch_size, *, seed, epoch, first, steps):
+        """The batches `first` to `first + steps` of epoch `epoch`'s order over all ranks (an
+        indexed dataset's: `shares`), its epoch hooks run around them as Keras runs them."""
+        src = self.train
+        todo = [int(i) for i in self._epoch_order(epoch, seed)[first : first + steps]]
+
+        def share():
+            src.hook("on_epoch_begin", seed, epoch)
+            if not todo:
+                src.hook("on_epoch_end", seed, epoch)
+            for k, (i, batch) in enumerate(src.load(todo, seed, epoch)):
+                _check(batch, self.signature, f"{src.name}[{i}]")
+                if k == len(todo) - 1:
+                    src.hook("on_epoch_end", seed, epoch)
+                yield batch
+
+        ds = tf.data.Dataset.from_generator(self._kept(share, src), output_signature=self.signature)
+        return ds.prefetch(1 if src.parallel() else tf.data.AUTOTUNE)
 
     def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
         # A batch per (micro-)step: `steps` may be fewer than the batches a rank has (whole

@@ -274,7 +274,8 @@ class LocalSGD(Exchange):
             raise invalid_value(
                 "--sync-balance",
                 True,
-                f"data in memory (arrays, `hvdtrain.ArrayData`): {data.describe()} is "
+                "data in memory (arrays, `hvdtrain.ArrayData`) or batches by index (a "
+                f"`Sequence` or `PyDataset` in `hvdtrain.BatchData`): {data.describe()} is "
                 "sharded by rank, in equal parts; leave --sync-balance out for it",
             )
 

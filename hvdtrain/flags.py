@@ -438,5 +438,6 @@ def _add_training_flags(p, d):
         action=argparse.BooleanOptionalAction,
         default=d.sync_balance,
         help="share each epoch's batches in proportion to the ranks' measured speeds, so "
-        "that no rank waits at an exchange (local, diloco; arrays; default: off)",
+        "that no rank waits at an exchange (local, diloco; arrays, a Sequence or PyDataset; "
+        "default: off)",
     )

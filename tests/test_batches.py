@@ -93,6 +93,26 @@ def test_ranks_take_disjoint_batches_in_an_order_drawn_each_epoch_the_same_on_ev
     assert plain.order(0, 0, place) == plain.order(1, 0, place) == [1, 3]
 
 
+def test_balanced_shares_of_indexed_batches_load_each_batch_once_an_epoch():
+    """`--sync-balance` (`BatchData.train_share`): unequal runs of an epoch's order over all
+    ranks load each of its full batches once, call the epoch's hooks once per share, and
+    draw another order the next epoch; a generator's batches are not shared out."""
+    seq = sequence(42)  # 10 full batches of 4 and a short one
+    data, _ = prepared(BatchData(seq), 0)
+    assert data.shares
+
+    def ids(epoch, first, steps):
+        return [v for b in ids_of(data.train_share(4, seed=3, epoch=epoch, first=first,
+                                                   steps=steps), steps) for v in b]  # fmt: skip
+
+    epoch0 = ids(0, 0, 7) + ids(0, 7, 3)
+    assert sorted(epoch0) == list(range(40))  # each full batch's samples once
+    assert seq.begins == seq.ends == 2
+    assert ids(0, 7, 3) == epoch0[28:]  # a share is a run of the epoch's order
+    assert ids(1, 0, 10) != epoch0
+    assert not BatchData(lambda: iter([])).shares
+
+
 @pytest.mark.parametrize("version", ["2", "3"])
 def test_a_rank_loads_only_its_batches_calls_the_hooks_and_resumes_mid_epoch(version):
     base = tf.keras.utils.Sequence if version == "2" else _keras("3").utils.PyDataset

@@ -347,7 +347,11 @@ def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, shared_jobs, 
 
 
 @pytest.mark.parametrize(
-    "keras, flags", [("2", ["--sync", "local"]), ("3", ["--sync", "diloco", "--sync-overlap"])]
+    "keras, flags",
+    [
+        ("2", ["--sync", "local"]),
+        ("3", ["--sync", "diloco", "--sync-overlap", "--data", "batches"]),
+    ],
 )
 def test_balanced_ranks_take_steps_in_proportion_to_their_speed(
     keras, flags, shared_jobs, tmp_path
@@ -355,7 +359,7 @@ def test_balanced_ranks_take_steps_in_proportion_to_their_speed(
     """`--sync-balance`, rank 1 slowed on purpose (30 ms a step), 3 epochs of 10 steps a rank,
     H=4: the first epoch is shared equally and timed, the next two give the faster rank more
     of their 20 batches; both ranks exchange as often (after 2 rounds and at each epoch's
-    end) and end with every variable the same."""
+    end) and end with every variable the same. Arrays on Keras 2, a `PyDataset` on Keras 3."""
     (w0, w1), m = _run(shared_jobs, tmp_path, *flags, "--sync-every", "4", "--sync-warmup-steps",
                        "0", "--sync-balance", "--epochs", "3", "--slow-rank", "1", "--slow-ms",
                        "30", keras=keras)  # fmt: skip

@@ -9,7 +9,8 @@ Each rank writes OUT/rank<r>.npz (its final weights, trainable and not) and OUT/
 checksum gathered from every rank at every step: give --steps-per-execution 1). With
 `--slow-rank R --slow-ms T` rank R's model sleeps T ms in each step (a slower rank; no trace
 then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's callback
-stops training after the S-th step of epoch E (1-based; no trace either).
+stops training after the S-th step of epoch E (1-based; no trace either). `--data batches`
+gives the same samples as a `Sequence` (Keras 2) or `PyDataset` (Keras 3) in batches.
 """
 
 import json
@@ -34,6 +35,7 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=None)
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--stop-at", default=None)
+    parser.add_argument("--data", choices=["arrays", "batches"], default="arrays")
     args = parser.parse_args()
     if args.keras == "3":
         import keras as k
@@ -85,6 +87,22 @@ def main():
 
     kept = k.callbacks.LambdaCallback()  # its `model`: the one fit trains
     data = hvdtrain.ArrayData(x, y, test=(x[:64], y[:64]))
+    if args.data == "batches":  # a Sequence (Keras 2) or PyDataset (Keras 3) of the same
+        base = k.utils.PyDataset if args.keras == "3" else tf.keras.utils.Sequence
+
+        class Batches(base):
+            def __init__(self, n):
+                super().__init__()
+                self.n = n
+
+            def __len__(self):
+                return self.n // args.batch_size
+
+            def __getitem__(self, i):
+                part = slice(i * args.batch_size, (i + 1) * args.batch_size)
+                return x[part], y[part]
+
+        data = hvdtrain.BatchData(Batches(SAMPLES), test=Batches(64))
     checks = [Stop()] if stop or args.slow_rank is not None else [Trace()]
     hvdtrain.fit(build_model, data, args, callbacks=[*checks, kept])
     os.makedirs(args.out, exist_ok=True)
