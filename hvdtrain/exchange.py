@@ -262,6 +262,8 @@ class LocalSGD(Exchange):
         for a, w in zip(self.anchor, self.weights, strict=True):
             a.assign(w)
         self.step = self.agreed = self.agreed_whole = start_step
+        # Traced anew: a trace holds the outer step's rate, which an elastic reset refits.
+        self._exchange_fn = self._state_fn = None
 
     def callbacks(self, steps_per_epoch, start_step, check):
         return [ExchangeCallback(self, steps_per_epoch, start_step, check)]
@@ -529,7 +531,7 @@ class _Overlapped:
         self.exchange_seconds = 0.0  # the exchanges' own time in their thread
         self.waited_pending = 0.0  # the part of it the steps waited for
         self._rounds = 0
-        self._reduce_fn = None
+        self._reduce_fn = self._own_fn = self._advance_fn = None
         # A callback's stop within an epoch travels with the rounds' exchanges: this rank's
         # ask for the next round, and the ranks' verdict of the round that landed last.
         self._asking, self._verdict = False, None
@@ -543,6 +545,7 @@ class _Overlapped:
         super().begin(start_step, lr_warmup_steps)
         self.pending = None  # (an elastic reset: the old job's exchange is gone with it)
         self._asking, self._verdict = False, None
+        self._own_fn = self._advance_fn = None  # traced anew (the outer rate: see there)
         self._new_round(self.weights)
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
@@ -601,11 +604,15 @@ class _Overlapped:
             if self.step == self.round_start or self.agreed == self.step:
                 return False
             began = time.perf_counter()
-            own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-            self._land()
+            if self._own_fn is None:  # traced: eager ops per variable cost more than the
+                self._own_fn = tf.function(self._own, autograph=False)  # exchange itself
+                self._advance_fn = tf.function(self._advance, autograph=False)
+            own, counted = self._own_fn(tf.constant(self.weight, tf.float32))
+            mean = self._landed()
             asking = tf.constant(float(self._asking), tf.float32)
-            self.pending = _InFlight(self._mean, [*self._counted(own), asking])
-            self._continue_from(self.stand_in(own))
+            self.pending = _InFlight(self._mean, [*counted, asking])
+            self._advance_fn(own, mean)
+            self.round_start = self.step
             self.exchanges += 1
             self.bytes += self.per_exchange
             self.waited += time.perf_counter() - began
@@ -634,10 +641,31 @@ class _Overlapped:
         super().now(whole=True)  # the optimizers' state
         return True
 
+    def _own(self, weight):
+        """This round's change, and it x `weight` (its share's steps: `--sync-balance`)."""
+        own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
+        return own, [_weighted(o, weight) for o in own]
+
+    def _advance(self, own, mean):
+        """At an exchange point: the anchor moved by the landed `mean` (None: none landed),
+        and the next round started from the stand-in of this round's change `own`."""
+        if mean is not None:
+            self.move_anchor(mean)
+        for s, w, v in zip(self.start, self.weights, self.stand_in(own), strict=True):
+            s.assign(v)
+            w.assign(v)
+
     def _land(self):
         """The exchange in flight, landed: the anchor moved by its mean."""
+        mean = self._landed()
+        if mean is not None:
+            self.move_anchor(mean)
+
+    def _landed(self):
+        """The mean of the exchange in flight, once it is done (None: none in flight); the
+        ranks' verdict on a stop it carried kept for `stop_agreed`."""
         if self.pending is None:
-            return
+            return None
         watchdog.doing(
             f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
         )
@@ -648,7 +676,7 @@ class _Overlapped:
         self.pending = None
         *mean, asked = mean  # the ranks' mean ask: above 0 where any rank asked to stop
         self._verdict = bool(asked.numpy() > 0)
-        self.move_anchor(mean)
+        return mean
 
     def _counted(self, own):
         """`own` x this round's weight (its share's steps: `--sync-balance`)."""

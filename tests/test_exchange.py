@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import worker
+from conftest import job_env, worker
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import exchange_due, fitting_steps_per_execution
@@ -193,6 +193,43 @@ def test_building_a_strategy_leaves_tensorflow_unstarted_for_hvdtrain_init():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "unstarted" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_exchange():
+    """An elastic reset calls `begin` again, which refits the outer rate to the new ranks;
+    the traced exchange (blocking) and the traced round (overlapped) hold the rate they were
+    traced with, so `begin` traces them anew. One process: H=4 fits 0.1, then H=64 0.2; a
+    change of 1 from the anchor moves it by rate x (1 + 0.9) with no momentum yet."""
+    code = (
+        "import numpy as np, tensorflow as tf, hvdtrain\n"
+        "from hvdtrain import exchange\n"
+        "from hvdtrain.flags import make_config\n"
+        "hvdtrain.init(threads=1)\n"
+        "class Model:\n"
+        "    pass\n"
+        "for overlap in (False, True):\n"
+        "    m, w = Model(), tf.Variable([1.0])\n"
+        "    m.trainable_variables, m.non_trainable_variables = [w], []\n"
+        "    s = exchange.for_config(make_config(sync='diloco', sync_every=4,\n"
+        "                                        sync_overlap=overlap))\n"
+        "    s.attach(m, [])\n"
+        "    for every in (4, 64):\n"
+        "        s.every = every\n"
+        "        w.assign([1.0])\n"
+        "        s.outer.momentum[0].assign([0.0])\n"
+        "        s.begin(0, 0)\n"
+        "        w.assign([0.0])\n"
+        "        s.step = 1\n"
+        "        s.now()\n"
+        "        print(overlap, s.outer_lr, round(float(1 - w.numpy()[0]), 4))\n"
+        "        s.now(whole=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=job_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    for overlap in ("False", "True"):
+        assert f"{overlap} 0.1 0.19" in lines and f"{overlap} 0.2 0.38" in lines, proc.stdout
 
 
 def test_the_synchronous_strategy_does_nothing_between_steps():
