@@ -37,12 +37,14 @@ __all__ = [
     "agree",
     "weights_digest",
     "rank_report",
+    "bound_cores",
 ]
 
 log = logging.getLogger("hvdtrain")
 
 _pinned = None  # the GPU index `init` pinned (rank_report says it)
 _initialised = False  # `init` ran in this process (a second cannot set the threads again)
+_bound = None  # the cores `init` bound this rank's threads to (sorted), or None
 
 
 def gpu_for_local_rank(local_rank, num_gpus, local_size=None):
@@ -174,13 +176,14 @@ def init(
     cpus = os.cpu_count() or 1
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     gpus = tf.config.list_physical_devices("GPU")  # does not start TensorFlow's runtime
+    global _bound  # kept from an earlier `init` of this process, which bound it
     if allowed is not None:
         cores = tuning.cores_for_rank(
             os.environ, allowed, cpus, hvd.local_rank(), hvd.local_size(),
             default=exchanges_rarely and not gpus,
         )  # fmt: skip
         if cores and tuning.bind(tuning.thread_ids(), cores):  # see hvdtrain.tuning
-            allowed = cores
+            allowed, _bound = cores, sorted(cores)
     n = threads or threads_per_rank(cpus, hvd.local_size(), len(allowed) if allowed else None)
     global _initialised
     try:
@@ -287,15 +290,22 @@ def weights_digest(model):
     return h.hexdigest()
 
 
+def bound_cores():
+    """The cores `init` bound this rank's threads to (sorted), or None where it left them."""
+    return _bound
+
+
 def rank_report(model=None, **figures):
-    """One entry per rank (rank, local rank, host, pid, the GPU `init` pinned or None,
-    weights digest, and this rank's own `figures`), gathered on all ranks."""
+    """One entry per rank (rank, local rank, host, pid, the GPU `init` pinned or None, the
+    cores it bound the rank to or None, weights digest, and this rank's own `figures`),
+    gathered on all ranks."""
     mine = {
         "rank": hvd.rank(),
         "local_rank": hvd.local_rank(),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "gpu": _pinned,
+        "cores": _bound,
         **figures,
     }
     if model is not None:

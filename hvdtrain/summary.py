@@ -114,6 +114,8 @@ def first_line(run):
     more = f", {b.policy}" if b.policy else ""
     if exchange := b.exchange.describe():
         more += f"; {exchange}"
+    if run.bound:  # hvdtrain.tuning.cores_for_rank
+        more += f"; each rank bound to {len(run.bound)} core(s) (HVDTRAIN_CPU_BIND=none: unbound)"
     return (
         f"{'elastic: ' if cfg.elastic else ''}training on {size} rank(s){where}: {steps} "
         f"steps/epoch, batch {plan.batch_size}/rank ({plan.global_batch} global{accumulated}), "

@@ -195,12 +195,14 @@ class Run:
         # The callbacks of the current `train` (`callbacks` makes them):
         self.user = None  # the user's callbacks, one training for all the run's fits
         self.watchdog = self.throughput = self.steering = self.checkpointer = None
+        self.bound = None  # the cores `hvdtrain.init` bound this rank to, or None
 
     # -- set-up: no collectives (an elastic worker that joins runs it alone) -----------
     def setup(self):
         cfg = self.cfg
         ex = exchange.for_config(cfg)  # --sync: how the ranks exchange
         runtime.init(threads=cfg.threads, exchanges_rarely=ex.exchanges_rarely)
+        self.bound = runtime.bound_cores()
         place = datamod.Placement.current()
         rank = place.rank
         self.log = get_logger(rank)

@@ -10,6 +10,7 @@ test_recipe.py; a GAN: test_customizing_fit.py; elastic: test_customizing_fit.py
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -440,6 +441,15 @@ def test_an_overlapped_runs_stop_within_an_epoch_travels_with_the_exchanges(
     assert m["sync"]["exchanges"] == 13, m["sync"]
     assert all(len(v) == 3 for v in m["history"].values())
     assert _largest_difference(w0, w1) == 0
+    # Under these modes each rank is bound to its own share of the cores (hvdtrain.tuning),
+    # where nothing bound them before (a pytest confined to some cores leaves them be).
+    cores = [r["cores"] for r in m["ranks"]]
+    if len(os.sched_getaffinity(0)) == os.cpu_count() >= 2:
+        assert all(len(c) == os.cpu_count() // 2 for c in cores) and not set(cores[0]) & set(
+            cores[1]
+        ), cores
+    else:
+        assert cores == [None, None]
 
 
 def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_jobs, tmp_path):
