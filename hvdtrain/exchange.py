@@ -8,8 +8,9 @@ How the ranks exchange is one strategy object per mode, built from the config in
 (`for_config`) and called by the recipe (`hvdtrain.trainer`) without asking which it holds,
 as PyTorch DDP calls its communication hook: `Exchange` is `--sync step` (the default: the
 distributed optimizers average the gradients at every step, as Horovod does, and nothing is
-left to do between steps), `LocalSGD` is `--sync local` and `DiLoCo` `--sync diloco`. A new
-mode is a new subclass. Under the two that exchange less:
+left to do between steps), `LocalSGD` is `--sync local` and `DiLoCo` `--sync diloco`, and
+`--sync-overlap` mixes `hvdtrain.overlap.Overlapped` into either. A new mode is a new
+subclass. Under the two that exchange less:
 
 - **Gradients.** The model's distributed optimizers average their gradients during the
   synchronous warmup (`--sync-warmup-steps`: the learning rate's warmup under `local`, none
@@ -36,7 +37,6 @@ mode is a new subclass. Under the two that exchange less:
   exchanges, a due commit makes one).
 """
 
-import threading
 import time
 
 import horovod.tensorflow as hvd
@@ -46,6 +46,7 @@ from hvdtrain import optim, watchdog
 from hvdtrain.errors import invalid_value
 from hvdtrain.flags import float16_refused
 from hvdtrain.gate import Gate
+from hvdtrain.overlap import Overlapped
 from hvdtrain.shares import Balance, EqualShares
 
 __all__ = [
@@ -248,7 +249,9 @@ class LocalSGD(Exchange):
         ]
         self.opt_state = [v for opt in optimizers for v in optim.slot_variables(opt)]
         self.anchor = [tf.Variable(v, trainable=False) for v in self.weights]
-        self.per_exchange = _bytes(self.weights, self.compression) + _bytes(self.state)
+        self.per_exchange = optim.wire_bytes(self.weights, self.compression) + optim.wire_bytes(
+            self.state
+        )
 
     def default_warmup(self, lr_warmup_steps):
         """Synchronous steps first unless `--sync-warmup-steps` says: the learning rate's."""
@@ -369,18 +372,20 @@ class LocalSGD(Exchange):
             if self._state_fn is None:
                 self._state_fn = tf.function(self._average_state, autograph=False)
             self._state_fn()
-            self.bytes += _bytes(self.opt_state)
+            self.bytes += optim.wire_bytes(self.opt_state)
         if whole:
             self.agreed_whole = self.step
         self.waited += time.perf_counter() - began
         return exchanged
 
     def _exchange(self, weight):
-        deltas = [_weighted(a - w, weight) for a, w in zip(self.anchor, self.weights, strict=True)]
+        deltas = [
+            optim.weighted(a - w, weight) for a, w in zip(self.anchor, self.weights, strict=True)
+        ]
         self.move_anchor(optim.packed(deltas, "hvdtrain.exchange", self._average))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
-        _average_as_they_are(self.state, "hvdtrain.exchange.state")
+        optim.average_variables(self.state, "hvdtrain.exchange.state")
 
     def move_anchor(self, mean):
         """The anchor moved by the ranks' mean change: to the ranks' mean weights,
@@ -394,7 +399,7 @@ class LocalSGD(Exchange):
         return [a - d for a, d in zip(self.anchor, own, strict=True)]
 
     def _average_state(self):
-        _average_as_they_are(self.opt_state, "hvdtrain.exchange.optimizers")
+        optim.average_variables(self.opt_state, "hvdtrain.exchange.optimizers")
 
     def _average(self, tensor, name):
         return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
@@ -504,248 +509,12 @@ class DiLoCo(LocalSGD):
                 "outer_momentum": self.momentum}  # fmt: skip
 
 
-class _Overlapped:
-    """`--sync-overlap`, over `LocalSGD` or `DiLoCo`: the exchange of a round runs while the
-    next round's steps do (one exchange in flight per rank), and its mean lands at the next
-    exchange point, with the delay corrected as in "eager updates" (Kale et al., 2025).
-
-    Round r starts from `start` and ends at the weights w; this rank's change is
-    `own = start - w`. At its end: the previous round's mean (in flight since) lands and
-    moves the anchor (`move_anchor`: the same on every rank), round r's `own` goes to the
-    ranks' mean in a thread of its own (TensorFlow releases the GIL while Horovod's op
-    runs), and the next round starts from `stand_in(own)`: the anchor moved as if this
-    rank's own fresh change were the mean. Every rank thus holds the agreed anchor plus its
-    own progress since; when the mean of round r lands, it replaces the rank's own change.
-    At whole exchanges (epoch ends, checkpoints, the end) the exchange in flight lands, the
-    round's change is averaged at once, and every rank holds the anchor, its BatchNorm
-    statistics and its optimizers' state averaged: one model, as without the overlap.
-    """
-
-    overlapped = True
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.start = []  # where this round's steps began (by `attach`)
-        self.round_start = 0  # the global step at which this round began
-        self.pending = None  # the exchange in flight (`_InFlight`), or None
-        self.exchange_seconds = 0.0  # the exchanges' own time in their thread
-        self.waited_pending = 0.0  # the part of it the steps waited for
-        self._rounds = 0
-        self._reduce_fn = self._own_fn = self._advance_fn = None
-        # A callback's stop within an epoch travels with the rounds' exchanges: this rank's
-        # ask for the next round, and the ranks' verdict of the round that landed last.
-        self._asking, self._verdict = False, None
-
-    def attach(self, model, optimizers):
-        super().attach(model, optimizers)
-        self.start = [tf.Variable(v, trainable=False) for v in self.weights]
-        self.per_exchange = _bytes(self.weights, self.compression)  # statistics: whole only
-
-    def begin(self, start_step, lr_warmup_steps):
-        super().begin(start_step, lr_warmup_steps)
-        self.pending = None  # (an elastic reset: the old job's exchange is gone with it)
-        self._asking, self._verdict = False, None
-        self._own_fn = self._advance_fn = None  # traced anew (the outer rate: see there)
-        self._new_round(self.weights)
-
-    def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
-        syncing = self.syncing
-        exchanged = super().after_steps(global_step, step_in_epoch, steps_per_epoch)
-        if syncing and not self.syncing:  # the warmup's end: the rounds begin here
-            self._new_round(self.weights)
-        return exchanged
-
-    def epoch_begins(self, global_step):
-        super().epoch_begins(global_step)
-        if self.in_agreement():
-            self.round_start = self.step
-
-    def _new_round(self, weights):
-        """The anchor and the round's start set to `weights` (the ranks agree on them)."""
-        for a, s, w in zip(self.anchor, self.start, weights, strict=True):
-            a.assign(w)
-            s.assign(w)
-        self.round_start = self.step
-
-    def _continue_from(self, values):
-        for s, w, v in zip(self.start, self.weights, values, strict=True):
-            s.assign(v)
-            w.assign(v)
-        self.round_start = self.step
-
-    def in_agreement(self):
-        return self.pending is None and super().in_agreement()
-
-    def stop_agreed(self, mine, agree):
-        """Between whole exchanges without a collective of its own: the ask goes with the
-        next round's exchange, and the ranks stop where the round that carried it lands (at
-        most two exchange points after the ask). A blocking 4-byte allreduce at each point
-        would wait for the slower rank and hide nothing."""
-        if self.syncing:
-            return agree(mine)
-        self._asking = mine
-        if not self._at_point:
-            return None
-        verdict, self._verdict = self._verdict, None
-        return verdict
-
-    def ready_to_commit(self):
-        """Between whole exchanges an exchange is always in flight, so the ranks never agree
-        there: a due commit makes them agree at once (the whole exchange of a checkpoint)."""
-        if not self.in_agreement():
-            self.now(whole=True)
-        return True
-
-    def now(self, whole=False):
-        """At an exchange point (every rank, the same `whole`): a round's exchange started in
-        the background, or with `whole` everything landed and averaged. Returns True when
-        the ranks hold one model after it."""
-        if not whole:
-            if self.step == self.round_start or self.agreed == self.step:
-                return False
-            began = time.perf_counter()
-            if self._own_fn is None:  # traced: eager ops per variable cost more than the
-                self._own_fn = tf.function(self._own, autograph=False)  # exchange itself
-                self._advance_fn = tf.function(self._advance, autograph=False)
-            own, counted = self._own_fn(tf.constant(self.weight, tf.float32))
-            mean = self._landed()
-            asking = tf.constant(float(self._asking), tf.float32)
-            self.pending = _InFlight(self._mean, [*counted, asking])
-            self._advance_fn(own, mean)
-            self.round_start = self.step
-            self.exchanges += 1
-            self.bytes += self.per_exchange
-            self.waited += time.perf_counter() - began
-            return False
-        if self.pending is None and self.agreed == self.step:  # the warmup, or done here
-            if self.agreed_whole == self.step:
-                return False
-            self._new_round(self.weights)
-            return super().now(whole=True)  # the optimizers' state
-        watchdog.doing(
-            f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
-        )
-        began = time.perf_counter()
-        self._land()
-        self._verdict = None  # a whole exchange: the ranks agree on a stop themselves
-        if self.step > self.round_start:  # this round's change, at once
-            own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-            self.move_anchor(self._mean(self._counted(own)))
-            self.exchanges += 1
-            self.bytes += self.per_exchange
-        self._continue_from(self.anchor)
-        _average_as_they_are(self.state, "hvdtrain.exchange.state")
-        self.bytes += _bytes(self.state)
-        self.waited += time.perf_counter() - began
-        self.agreed = self.step
-        super().now(whole=True)  # the optimizers' state
-        return True
-
-    def _own(self, weight):
-        """This round's change, and it x `weight` (its share's steps: `--sync-balance`)."""
-        own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-        return own, [_weighted(o, weight) for o in own]
-
-    def _advance(self, own, mean):
-        """At an exchange point: the anchor moved by the landed `mean` (None: none landed),
-        and the next round started from the stand-in of this round's change `own`."""
-        if mean is not None:
-            self.move_anchor(mean)
-        for s, w, v in zip(self.start, self.weights, self.stand_in(own), strict=True):
-            s.assign(v)
-            w.assign(v)
-
-    def _land(self):
-        """The exchange in flight, landed: the anchor moved by its mean."""
-        mean = self._landed()
-        if mean is not None:
-            self.move_anchor(mean)
-
-    def _landed(self):
-        """The mean of the exchange in flight, once it is done (None: none in flight); the
-        ranks' verdict on a stop it carried kept for `stop_agreed`."""
-        if self.pending is None:
-            return None
-        watchdog.doing(
-            f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
-        )
-        began = time.perf_counter()
-        mean, seconds = self.pending.result()
-        self.waited_pending += time.perf_counter() - began
-        self.exchange_seconds += seconds
-        self.pending = None
-        *mean, asked = mean  # the ranks' mean ask: above 0 where any rank asked to stop
-        self._verdict = bool(asked.numpy() > 0)
-        return mean
-
-    def _counted(self, own):
-        """`own` x this round's weight (its share's steps: `--sync-balance`)."""
-        if self.weight == 1.0:
-            return own
-        weight = tf.constant(self.weight, tf.float32)
-        return [_weighted(o, weight) for o in own]
-
-    def _mean(self, own):
-        """The ranks' mean of `own` (one traced call; any thread)."""
-        if self._reduce_fn is None:
-            self._reduce_fn = tf.function(
-                lambda own: optim.packed(own, "hvdtrain.exchange.overlap", self._average),
-                autograph=False,
-            )
-        return self._reduce_fn(own)
-
-    def describe(self):
-        return f"{super().describe()}, overlapped"
-
-    def summary(self):
-        return {**super().summary(), "overlap": True, **self._hidden()}
-
-    def rank_figures(self):
-        return {**super().rank_figures(), **self._hidden()}
-
-    def _hidden(self):
-        spent = self.exchange_seconds
-        hidden = 1 - min(self.waited_pending, spent) / spent if spent else None
-        return {
-            "exchange_seconds": round(spent, 4),
-            "exchange_hidden": None if hidden is None else round(hidden, 4),
-        }
-
-
-class OverlappedLocalSGD(_Overlapped, LocalSGD):
+class OverlappedLocalSGD(Overlapped, LocalSGD):
     """`--sync local --sync-overlap`."""
 
 
-class OverlappedDiLoCo(_Overlapped, DiLoCo):
+class OverlappedDiLoCo(Overlapped, DiLoCo):
     """`--sync diloco --sync-overlap`."""
-
-
-class _InFlight:
-    """`fn(own)` in a daemon thread of its own (one that hangs in a collective cannot hold up
-    the process's exit, as a thread pool's would): `result()` waits for it and gives
-    (its value, its seconds), or raises what it raised."""
-
-    def __init__(self, fn, own):
-        self._out = self._error = None
-        self._seconds = 0.0
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, own), name="hvdtrain-exchange", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, fn, own):
-        began = time.perf_counter()
-        try:
-            self._out = fn(own)
-        except BaseException as e:  # raised where the result is asked for
-            self._error = e
-        self._seconds = time.perf_counter() - began
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out, self._seconds
 
 
 STRATEGIES = {
@@ -755,29 +524,6 @@ STRATEGIES = {
     ("local", True): OverlappedLocalSGD,
     ("diloco", True): OverlappedDiLoCo,
 }
-
-
-def _weighted(delta, weight):
-    """`delta` x `weight` (a float32 scalar) in `delta`'s own dtype."""
-    return delta * tf.cast(weight, delta.dtype)
-
-
-def _average_as_they_are(variables, name):
-    """Sets `variables` to their mean over the ranks (full precision), in one allreduce."""
-    if not variables:
-        return
-    average = lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)  # noqa: E731
-    for v, value in zip(variables, optim.packed(variables, name, average), strict=True):
-        v.assign(value)
-
-
-def _bytes(tensors, compression=hvd.Compression.none):
-    """What `tensors` weigh on the wire (float16 under the fp16 compression)."""
-    size = 2 if compression is hvd.Compression.fp16 else None
-    return sum(
-        int(t.shape.num_elements()) * (size if size and t.dtype.is_floating else t.dtype.size)
-        for t in tensors
-    )
 
 
 class ExchangeCallback(tf.keras.callbacks.Callback):

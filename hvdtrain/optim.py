@@ -18,11 +18,14 @@ __all__ = [
     "fp16_compression",
     "broadcast_initial_state",
     "average_model_state",
+    "average_variables",
     "gate_gradients",
     "packed",
     "slot_variables",
     "state_variables",
     "tf_variables",
+    "weighted",
+    "wire_bytes",
 ]
 
 
@@ -139,9 +142,13 @@ def average_model_state(model):
     of each epoch gives every rank (and rank 0's checkpoint) statistics of all the data.
     """
     state = [v for v in tf_variables(model.non_trainable_variables) if v.dtype.is_floating]
-    _by_position(
-        state, "hvdtrain.state", lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name)
-    )
+    average_variables(state, "hvdtrain.state")
+
+
+def average_variables(variables, prefix):
+    """Sets `variables` to their mean over the ranks, as they are (full precision), in one
+    allreduce per dtype named by `prefix` (see `_by_position`)."""
+    _by_position(variables, prefix, lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name))
 
 
 def _by_position(variables, prefix, collective):
@@ -180,3 +187,17 @@ def packed(tensors, prefix, collective):
 def tf_variables(variables):
     """The `tf.Variable`s (what Horovod's ops take): Keras 2's are, Keras 3's hold one."""
     return [v if isinstance(v, tf.Variable) else v.value for v in variables]
+
+
+def weighted(tensor, weight):
+    """`tensor` x `weight` (a float32 scalar) in `tensor`'s own dtype."""
+    return tensor * tf.cast(weight, tensor.dtype)
+
+
+def wire_bytes(tensors, compression=hvd.Compression.none):
+    """What `tensors` weigh on the wire (float16 under the fp16 compression)."""
+    size = 2 if compression is hvd.Compression.fp16 else None
+    return sum(
+        int(t.shape.num_elements()) * (size if size and t.dtype.is_floating else t.dtype.size)
+        for t in tensors
+    )
