@@ -617,19 +617,22 @@ class BatchData(Data):
         indexed dataset's: `shares`), its epoch hooks run around them as Keras runs them."""
         src = self.train
         todo = [int(i) for i in self._epoch_order(epoch, seed)[first : first + steps]]
-
-        def share():
-            src.hook("on_epoch_begin", seed, epoch)
-            if not todo:
-                src.hook("on_epoch_end", seed, epoch)
-            for k, (i, batch) in enumerate(src.load(todo, seed, epoch)):
-                _check(batch, self.signature, f"{src.name}[{i}]")
-                if k == len(todo) - 1:
-                    src.hook("on_epoch_end", seed, epoch)
-                yield batch
-
+        share = lambda: self._epoch_of(todo, seed, epoch)  # noqa: E731
         ds = tf.data.Dataset.from_generator(self._kept(share, src), output_signature=self.signature)
         return ds.prefetch(1 if src.parallel() else tf.data.AUTOTUNE)
+
+    def _epoch_of(self, todo, seed, epoch):
+        """An indexed dataset's batches `todo` of epoch `epoch`, checked, between its epoch
+        hooks as Keras runs them (the end once all are loaded)."""
+        src = self.train
+        src.hook("on_epoch_begin", seed, epoch)
+        if not todo:
+            src.hook("on_epoch_end", seed, epoch)
+        for k, (i, batch) in enumerate(src.load(todo, seed, epoch)):
+            _check(batch, self.signature, f"{src.name}[{i}]")
+            if k == len(todo) - 1:  # all loaded: the hook runs as Keras runs it
+                src.hook("on_epoch_end", seed, epoch)
+            yield batch
 
     def train_dataset(self, batch_size, placement, *, seed, start_step, steps, epochs):
         # A batch per (micro-)step: `steps` may be fewer than the batches a rank has (whole
@@ -641,13 +644,8 @@ class BatchData(Data):
             if first > 0 and src.ended != first - 1:  # as after the epoch before
                 src.hook("on_epoch_end", seed, first - 1)
             for epoch in range(first, last):
-                src.hook("on_epoch_begin", seed, epoch)
                 todo = self.order(epoch, seed, p)[skip if epoch == first else 0 : steps]
-                for k, (i, batch) in enumerate(src.load(todo, seed, epoch)):
-                    _check(batch, self.signature, f"{src.name}[{i}]")
-                    if k == len(todo) - 1:  # all loaded: the hook runs as Keras runs it
-                        src.hook("on_epoch_end", seed, epoch)
-                    yield batch
+                yield from self._epoch_of(todo, seed, epoch)
 
         def function():
             for epoch in range(first, last):
