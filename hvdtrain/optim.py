@@ -21,6 +21,8 @@ __all__ = [
     "average_variables",
     "gate_gradients",
     "packed",
+    "pack",
+    "unpack",
     "slot_variables",
     "state_variables",
     "tf_variables",
@@ -171,17 +173,34 @@ def _by_position(variables, prefix, collective):
 def packed(tensors, prefix, collective):
     """`collective(buffer, name)` of `tensors` packed by dtype (see `_by_position`): the
     results, in the order of `tensors`."""
+    flats = pack(tensors)
+    return unpack([collective(f, f"{prefix}.{f.dtype.name}") for f in flats], tensors)
+
+
+def pack(tensors):
+    """`tensors` flattened into one buffer per dtype, in the order of the dtypes' names."""
+    return [
+        tf.concat([tf.reshape(tensors[i], [-1]) for i in group], axis=0)
+        for group in _by_dtype(tensors)
+    ]
+
+
+def unpack(flats, like):
+    """`pack`'s buffers `flats` back into tensors shaped as `like` (what was packed)."""
+    out = [None] * len(like)
+    for flat, group in zip(flats, _by_dtype(like), strict=True):
+        parts = tf.split(flat, [int(like[i].shape.num_elements()) for i in group])
+        for i, part in zip(group, parts, strict=True):
+            out[i] = tf.reshape(part, like[i].shape)
+    return out
+
+
+def _by_dtype(tensors):
+    """The positions of `tensors`, grouped by dtype, in the order of the dtypes' names."""
     groups = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype.name, []).append(i)
-    out = [None] * len(tensors)
-    for dtype, group in sorted(groups.items()):
-        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in group], axis=0)
-        flat = collective(flat, f"{prefix}.{dtype}")
-        parts = tf.split(flat, [int(tensors[i].shape.num_elements()) for i in group])
-        for i, part in zip(group, parts, strict=True):
-            out[i] = tf.reshape(part, tensors[i].shape)
-    return out
+    return [group for _, group in sorted(groups.items())]
 
 
 def tf_variables(variables):

@@ -44,7 +44,7 @@ class Overlapped:
         self.exchange_seconds = 0.0  # the exchanges' own time in their thread
         self.waited_pending = 0.0  # the part of it the steps waited for
         self._rounds = 0
-        self._reduce_fn = self._own_fn = self._advance_fn = None
+        self._reduce_fn = self._point_fn = None
         # A callback's stop within an epoch travels with the rounds' exchanges: this rank's
         # ask for the next round, and the ranks' verdict of the round that landed last.
         self._asking, self._verdict = False, None
@@ -52,6 +52,10 @@ class Overlapped:
     def attach(self, model, optimizers):
         super().attach(model, optimizers)
         self.start = [tf.Variable(v, trainable=False) for v in self.weights]
+        # What a round sends: its change and, last, the ask to stop (see `stop_agreed`),
+        # packed into one buffer per dtype, the ask in the float32 one.
+        self._sent = [*self.start, tf.zeros([])]
+        self._ask_at = sorted({t.dtype.name for t in self._sent}).index("float32")
         self.per_exchange = optim.wire_bytes(
             self.weights, self.compression
         )  # statistics: whole only
@@ -60,7 +64,7 @@ class Overlapped:
         super().begin(start_step, lr_warmup_steps)
         self.pending = None  # (an elastic reset: the old job's exchange is gone with it)
         self._asking, self._verdict = False, None
-        self._own_fn = self._advance_fn = None  # traced anew (the outer rate: see there)
+        self._point_fn = None  # traced anew (the outer rate: see there)
         self._new_round(self.weights)
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
@@ -119,14 +123,12 @@ class Overlapped:
             if self.step == self.round_start or self.agreed == self.step:
                 return False
             began = time.perf_counter()
-            if self._own_fn is None:  # traced: eager ops per variable cost more than the
-                self._own_fn = tf.function(self._own, autograph=False)  # exchange itself
-                self._advance_fn = tf.function(self._advance, autograph=False)
-            own, counted = self._own_fn(tf.constant(self.weight, tf.float32))
-            mean = self._landed()
+            if self._point_fn is None:  # one traced call: eager ops per variable, or a call
+                self._point_fn = tf.function(self._point, autograph=False)  # each, cost more
+            landed = self._landed()  # than the exchange itself on a rank of one core
+            weight = tf.constant(self.weight, tf.float32)
             asking = tf.constant(float(self._asking), tf.float32)
-            self.pending = InFlight(self._mean, [*counted, asking])
-            self._advance_fn(own, mean)
+            self.pending = InFlight(self._reduce, self._point_fn(weight, asking, landed))
             self.round_start = self.step
             self.exchanges += 1
             self.bytes += self.per_exchange
@@ -145,7 +147,8 @@ class Overlapped:
         self._verdict = None  # a whole exchange: the ranks agree on a stop themselves
         if self.step > self.round_start:  # this round's change, at once
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-            self.move_anchor(self._mean(self._counted(own)))
+            sent = optim.pack([*self._counted(own), tf.zeros([])])
+            self.move_anchor(optim.unpack(self._reduce(sent), self._sent)[:-1])
             self.exchanges += 1
             self.bytes += self.per_exchange
         self._continue_from(self.anchor)
@@ -156,29 +159,30 @@ class Overlapped:
         super().now(whole=True)  # the optimizers' state
         return True
 
-    def _own(self, weight):
-        """This round's change, and it x `weight` (its share's steps: `--sync-balance`)."""
+    def _point(self, weight, asking, landed):
+        """At an exchange point: the anchor moved by the mean `landed` (None: none landed),
+        the next round started from the stand-in of this round's change, and what this
+        round sends returned: its change x `weight` (its share's steps: `--sync-balance`)
+        and the ask to stop, packed."""
         own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
-        return own, [optim.weighted(o, weight) for o in own]
-
-    def _advance(self, own, mean):
-        """At an exchange point: the anchor moved by the landed `mean` (None: none landed),
-        and the next round started from the stand-in of this round's change `own`."""
-        if mean is not None:
-            self.move_anchor(mean)
+        if landed is not None:
+            self.move_anchor(optim.unpack(landed, self._sent)[:-1])
         for s, w, v in zip(self.start, self.weights, self.stand_in(own), strict=True):
             s.assign(v)
             w.assign(v)
+        if self.balance.balanced:
+            own = [optim.weighted(o, weight) for o in own]
+        return optim.pack([*own, asking])
 
     def _land(self):
         """The exchange in flight, landed: the anchor moved by its mean."""
-        mean = self._landed()
-        if mean is not None:
-            self.move_anchor(mean)
+        landed = self._landed()
+        if landed is not None:
+            self.move_anchor(optim.unpack(landed, self._sent)[:-1])
 
     def _landed(self):
-        """The mean of the exchange in flight, once it is done (None: none in flight); the
-        ranks' verdict on a stop it carried kept for `stop_agreed`."""
+        """The mean of the exchange in flight, packed as `_sent`, once it is done (None: none
+        in flight); the ranks' verdict on a stop it carried kept for `stop_agreed`."""
         if self.pending is None:
             return None
         watchdog.doing(
@@ -189,7 +193,7 @@ class Overlapped:
         self.waited_pending += time.perf_counter() - began
         self.exchange_seconds += seconds
         self.pending = None
-        *mean, asked = mean  # the ranks' mean ask: above 0 where any rank asked to stop
+        asked = mean[self._ask_at][-1]  # the ranks' mean ask: above 0 where any rank asked
         self._verdict = bool(asked.numpy() > 0)
         return mean
 
@@ -200,14 +204,16 @@ class Overlapped:
         weight = tf.constant(self.weight, tf.float32)
         return [optim.weighted(o, weight) for o in own]
 
-    def _mean(self, own):
-        """The ranks' mean of `own` (one traced call; any thread)."""
+    def _reduce(self, sent):
+        """The ranks' mean of the buffers `sent` (one traced call; any thread)."""
         if self._reduce_fn is None:
             self._reduce_fn = tf.function(
-                lambda own: optim.packed(own, "hvdtrain.exchange.overlap", self._average),
+                lambda sent: [
+                    self._average(f, f"hvdtrain.exchange.overlap.{f.dtype.name}") for f in sent
+                ],
                 autograph=False,
             )
-        return self._reduce_fn(own)
+        return self._reduce_fn(sent)
 
     def describe(self):
         return f"{super().describe()}, overlapped"
