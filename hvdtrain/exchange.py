@@ -379,9 +379,9 @@ class LocalSGD(Exchange):
         return exchanged
 
     def _exchange(self, weight):
-        deltas = [
-            optim.weighted(a - w, weight) for a, w in zip(self.anchor, self.weights, strict=True)
-        ]
+        deltas = [a - w for a, w in zip(self.anchor, self.weights, strict=True)]
+        if self.balance.balanced:  # (a pass over the weights saved where the ranks are equal)
+            deltas = [optim.weighted(d, weight) for d in deltas]
         self.move_anchor(optim.packed(deltas, "hvdtrain.exchange", self._average))
         for w, a in zip(self.weights, self.anchor, strict=True):
             w.assign(a)
