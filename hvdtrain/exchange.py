@@ -279,9 +279,10 @@ class LocalSGD(Exchange):
             raise invalid_value(
                 "--sync-balance",
                 True,
-                "data in memory (arrays, `hvdtrain.ArrayData`) or batches by index (a "
-                f"`Sequence` or `PyDataset` in `hvdtrain.BatchData`): {data.describe()} is "
-                "sharded by rank, in equal parts; leave --sync-balance out for it",
+                "data in memory (arrays, `hvdtrain.ArrayData`), batches by index (a "
+                "`Sequence` or `PyDataset` in `hvdtrain.BatchData`) or files every rank lists "
+                f"(`hvdtrain.FileData` without per_host): {data.describe()} is sharded by "
+                "rank, in equal parts; leave --sync-balance out for it",
             )
 
     def share(self, epoch, steps):

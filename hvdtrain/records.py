@@ -40,7 +40,7 @@ import tensorflow as tf
 from hvdtrain.data import Data, chain
 from hvdtrain.errors import HvdtrainError, invalid_value
 
-__all__ = ["FileData", "READERS", "count_records", "epoch_ranges"]
+__all__ = ["FileData", "READERS", "count_records", "epoch_ranges", "epoch_range"]
 
 _BUFFER = 256 * 1024  # TensorFlow's default read buffer, given: unsaid, each rank logs a line
 
@@ -103,19 +103,24 @@ def epoch_ranges(counts, seed, epoch, parts):
     The files in an order drawn from (seed, epoch), their records cut into `parts`
     contiguous ranges of equal size (to one record).
     """
+    total = sum(counts)
+    return [
+        epoch_range(counts, seed, epoch, p * total // parts, (p + 1) * total // parts)
+        for p in range(parts)
+    ]
+
+
+def epoch_range(counts, seed, epoch, lo, hi):
+    """[(file index, skip, take)] of the records `lo` to `hi` of one epoch (pure): the files
+    in an order drawn from (seed, epoch), their records one after the other."""
     order = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(counts))
     starts = np.concatenate([[0], np.cumsum([counts[i] for i in order])])
-    total = int(starts[-1])
-    ranges = []
-    for p in range(parts):
-        lo, hi = p * total // parts, (p + 1) * total // parts
-        pieces = []
-        for j, i in enumerate(order):
-            a, b = max(lo, starts[j]), min(hi, starts[j + 1])
-            if a < b:
-                pieces.append((int(i), int(a - starts[j]), int(b - a)))
-        ranges.append(pieces)
-    return ranges
+    pieces = []
+    for j, i in enumerate(order):
+        a, b = max(lo, starts[j]), min(hi, starts[j + 1])
+        if a < b:
+            pieces.append((int(i), int(a - starts[j]), int(b - a)))
+    return pieces
 
 
 class FileData(Data):
@@ -254,14 +259,17 @@ class FileData(Data):
         paths, counts = self.parts[split]
         index, size = self.group
         pieces = epoch_ranges(counts, seed, epoch, size)[index]
-        if not pieces:
-            return None
-        files = tf.constant([paths[i] for i, _, _ in pieces])
+        return self._read(paths, pieces, shuffle_seed) if pieces else None
+
+    def _read(self, paths, pieces, shuffle_seed=None):
+        """The records of `pieces` ([(file index, skip, take)] of `paths`), in a dataset of
+        their number, shuffled with `shuffle_seed` unless it is None."""
+        files = tf.constant([paths[i] for i, _, _ in pieces], tf.string)
         skips = tf.constant([s for _, s, _ in pieces], tf.int64)
         takes = tf.constant([t for _, _, t in pieces], tf.int64)
         ds = tf.data.Dataset.from_tensor_slices((files, skips, takes)).interleave(
             lambda f, s, t: self.read(f).skip(s).take(t),
-            cycle_length=min(4, len(pieces)),
+            cycle_length=max(1, min(4, len(pieces))),
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
@@ -282,7 +290,25 @@ class FileData(Data):
             return ds.skip(skip * batch_size) if epoch == first else ds
 
         ds = chain(one(e) for e in range(first, max(epochs, first + 1)))
-        ds = ds.map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return self._batches(ds, batch_size)
+
+    @property
+    def shares(self):
+        """Files every rank lists can be shared out unequally; a host's own (`per_host`)
+        cannot leave it."""
+        return not self.per_host
+
+    def train_share(self, batch_size, *, seed, epoch, first, steps):
+        """The records of batches `first` to `first + steps` of epoch `epoch`'s order over all
+        ranks (`epoch_range`), shuffled among themselves."""
+        paths, counts = self.parts["train"]
+        lo = first * batch_size
+        pieces = epoch_range(counts, seed, epoch, lo, lo + steps * batch_size)
+        return self._batches(self._read(paths, pieces, _seed(seed, epoch, "share", first)),
+                             batch_size)  # fmt: skip
+
+    def _batches(self, records, batch_size):
+        ds = records.map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
     @property

@@ -151,6 +151,42 @@ def test_balanced_shares_of_arrays_train_each_sample_once_an_epoch():
     assert len(set(epoch1)) == 100 and epoch1 != epoch0
 
 
+def test_balanced_shares_of_files_read_each_record_once_an_epoch(tmp_path):
+    """`FileData.train_share`: shares of any sizes over files of unequal counts read each
+    record of an epoch's batches once (a run of the files in the epoch's order), the files'
+    order drawn anew each epoch; a host's own files (`per_host`) are not shared out."""
+    import tensorflow as tf
+
+    import hvdtrain
+    from hvdtrain.data import Placement
+    from hvdtrain.records import FileData
+
+    hvdtrain.init(threads=1)  # (one rank: `prepare` agrees through Horovod)
+    ids = iter(range(103))
+    for name, count in (("a", 41), ("b", 7), ("c", 55)):
+        with tf.io.TFRecordWriter(str(tmp_path / f"{name}.tfrecord")) as w:
+            for _ in range(count):
+                w.write(str(next(ids)).encode())
+
+    def parse(record):
+        return tf.strings.to_number(record, tf.int64), tf.constant(0)
+
+    data = FileData(str(tmp_path / "*.tfrecord"), parse, shuffle_buffer=8)
+    data.prepare(Placement(0, 1))
+    assert data.shares and not FileData("x", parse, per_host=True).shares
+
+    def read(epoch, first, steps):
+        batches = data.train_share(4, seed=7, epoch=epoch, first=first, steps=steps)
+        return [int(v) for xb, _ in batches for v in xb.numpy()]
+
+    epoch0 = read(0, 0, 19), read(0, 19, 6)  # 25 batches of 4: 100 of the 103 records
+    assert sum(map(len, epoch0)) == len(set(epoch0[0] + epoch0[1])) == 100
+    assert read(0, 19, 6) == epoch0[1]  # the same share, the same batches
+    epoch1 = read(1, 0, 10), read(1, 10, 15)
+    assert len(set(epoch1[0] + epoch1[1])) == 100
+    assert set(epoch1[0]) != set(epoch0[0][:40])  # another order of the files
+
+
 def test_balance_refuses_data_it_cannot_share_out_in_one_line():
     from hvdtrain import exchange
     from hvdtrain.data import ArrayData, DatasetData
@@ -160,7 +196,7 @@ def test_balance_refuses_data_it_cannot_share_out_in_one_line():
     with pytest.raises(HvdtrainError) as e:
         strategy.check_data(DatasetData(lambda rank, size, seed, epoch: None, num_samples=8))
     assert "`--sync-balance`: received True; expected data in memory" in str(e.value)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "`hvdtrain.FileData` without per_host" in str(e.value)
     assert exchange.for_config(make_config(sync="local")).epoch_by_epoch is False
 
 
@@ -389,6 +425,7 @@ def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, shared_jobs, 
     [
         ("2", ["--sync", "local"]),
         ("3", ["--sync", "diloco", "--sync-overlap", "--data", "batches"]),
+        ("2", ["--sync", "local", "--sync-overlap", "--data", "files"]),
     ],
 )
 def test_balanced_ranks_take_steps_in_proportion_to_their_speed(
@@ -397,7 +434,8 @@ def test_balanced_ranks_take_steps_in_proportion_to_their_speed(
     """`--sync-balance`, rank 1 slowed on purpose (30 ms a step), 3 epochs of 10 steps a rank,
     H=4: the first epoch is shared equally and timed, the next two give the faster rank more
     of their 20 batches; both ranks exchange as often (after 2 rounds and at each epoch's
-    end) and end with every variable the same. Arrays on Keras 2, a `PyDataset` on Keras 3."""
+    end) and end with every variable the same. Arrays on Keras 2, a `PyDataset` on Keras 3,
+    TFRecord files (`FileData`) on Keras 2."""
     (w0, w1), m = _run(shared_jobs, tmp_path, *flags, "--sync-every", "4", "--sync-warmup-steps",
                        "0", "--sync-balance", "--epochs", "3", "--slow-rank", "1", "--slow-ms",
                        "30", keras=keras)  # fmt: skip

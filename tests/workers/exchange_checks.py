@@ -10,7 +10,8 @@ checksum gathered from every rank at every step: give --steps-per-execution 1). 
 `--slow-rank R --slow-ms T` rank R's model sleeps T ms in each step (a slower rank; no trace
 then: the ranks of --sync-balance take unequal steps); with `--stop-at E,S` rank 0's callback
 stops training after the S-th step of epoch E (1-based; no trace either). `--data batches`
-gives the same samples as a `Sequence` (Keras 2) or `PyDataset` (Keras 3) in batches.
+gives the same samples as a `Sequence` (Keras 2) or `PyDataset` (Keras 3) in batches,
+`--data files` as TFRecord files of unequal sizes (`hvdtrain.FileData`) in OUT/files.
 """
 
 import json
@@ -35,7 +36,7 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=None)
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--stop-at", default=None)
-    parser.add_argument("--data", choices=["arrays", "batches"], default="arrays")
+    parser.add_argument("--data", choices=["arrays", "batches", "files"], default="arrays")
     args = parser.parse_args()
     if args.keras == "3":
         import keras as k
@@ -103,6 +104,8 @@ def main():
                 return x[part], y[part]
 
         data = hvdtrain.BatchData(Batches(SAMPLES), test=Batches(64))
+    if args.data == "files":
+        data = hvdtrain.FileData(_files(x, y, args.out), _parse, test=None)
     checks = [Stop()] if stop or args.slow_rank is not None else [Trace()]
     hvdtrain.fit(build_model, data, args, callbacks=[*checks, kept])
     os.makedirs(args.out, exist_ok=True)
@@ -111,6 +114,37 @@ def main():
     if hvd.rank() == 0:
         with open(os.path.join(args.out, "trace.json"), "w") as f:
             json.dump(trace, f)
+
+
+def _files(x, y, out):
+    """The samples in 3 TFRecord files of unequal sizes, each written whole by every rank
+    (the same bytes: a rank never lists a file another one is still writing)."""
+    folder = os.path.join(out, "files")
+    os.makedirs(folder, exist_ok=True)
+    for name, part in (("a", slice(0, 100)), ("b", slice(100, 130)), ("c", slice(130, None))):
+        path = os.path.join(folder, f"{name}.tfrecord")
+        with tf.io.TFRecordWriter(f"{path}.{hvd.rank()}") as w:
+            for xi, yi in zip(x[part], y[part], strict=True):
+                feature = {
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=xi)),
+                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[yi])),
+                }
+                w.write(
+                    tf.train.Example(
+                        features=tf.train.Features(feature=feature)
+                    ).SerializeToString()
+                )
+        os.replace(f"{path}.{hvd.rank()}", path)
+    return os.path.join(folder, "*.tfrecord")
+
+
+def _parse(record):
+    spec = {
+        "x": tf.io.FixedLenFeature([FEATURES], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+    }
+    example = tf.io.parse_single_example(record, spec)
+    return example["x"], example["y"]
 
 
 if __name__ == "__main__":
