@@ -148,7 +148,7 @@ class Overlapped:
         if self.step > self.round_start:  # this round's change, at once
             own = [s - w for s, w in zip(self.start, self.weights, strict=True)]
             sent = optim.pack([*self._counted(own), tf.zeros([])])
-            self.move_anchor(optim.unpack(self._reduce(sent), self._sent)[:-1])
+            self.move_anchor(optim.unpack(self._reduce(sent)[0], self._sent)[:-1])
             self.exchanges += 1
             self.bytes += self.per_exchange
         self._continue_from(self.anchor)
@@ -189,12 +189,11 @@ class Overlapped:
             f"exchanging weights with the other ranks ({self.name})", watchdog.OTHER_RANKS
         )
         began = time.perf_counter()
-        mean, seconds = self.pending.result()
+        (mean, asked), seconds = self.pending.result()
         self.waited_pending += time.perf_counter() - began
         self.exchange_seconds += seconds
         self.pending = None
-        asked = mean[self._ask_at][-1]  # the ranks' mean ask: above 0 where any rank asked
-        self._verdict = bool(asked.numpy() > 0)
+        self._verdict = bool(asked.numpy() > 0)  # the ranks' mean ask: any rank asked
         return mean
 
     def _counted(self, own):
@@ -205,15 +204,15 @@ class Overlapped:
         return [optim.weighted(o, weight) for o in own]
 
     def _reduce(self, sent):
-        """The ranks' mean of the buffers `sent` (one traced call; any thread)."""
+        """The ranks' mean of the buffers `sent`, and of the ask in them (one traced call;
+        any thread)."""
         if self._reduce_fn is None:
-            self._reduce_fn = tf.function(
-                lambda sent: [
-                    self._average(f, f"hvdtrain.exchange.overlap.{f.dtype.name}") for f in sent
-                ],
-                autograph=False,
-            )
+            self._reduce_fn = tf.function(self._reduced, autograph=False)
         return self._reduce_fn(sent)
+
+    def _reduced(self, sent):
+        mean = [self._average(f, f"hvdtrain.exchange.overlap.{f.dtype.name}") for f in sent]
+        return mean, mean[self._ask_at][-1]
 
     def describe(self):
         return f"{super().describe()}, overlapped"
