@@ -507,14 +507,16 @@ def test_floor_bounds_the_step_by_the_wait_and_the_transfer():
 
     # A local SGD job: its local steps (the step less the exchange / H) and its bound
     ms["local-16-gloo"] = 2.3
-    inside["local-16-gloo"] = {"exchange": 3.2, "together": 1.6, "together_cpu": 0.8}
+    inside["local-16-gloo"] = {"exchange": 3.2, "together": 1.6, "together_cpu": 0.8,
+                               "overlap_cpu": 3.2}  # fmt: skip
     parts = decompose(ms, inside)
     local = parts["local"]["local-16-gloo"]
     assert local["local_step"] == pytest.approx(2.1)  # 2.3 - 3.2 / 16
     assert local["bound_of_ceiling"] == pytest.approx(2.1 / 2.2)  # the exchange together / 16
     assert local["overlap_bound_of_ceiling"] == pytest.approx(2.1 / 2.15)  # its CPU / 16
-    assert "| local-16-gloo | 3.20 | 1.60 | 0.80 | 2.100 | 0.91 | 0.95 | 0.98 |" in markdown(
-        ms, parts
+    assert local["overlapped_bound_of_ceiling"] == pytest.approx(2.1 / 2.3)  # the overlap's
+    assert "| local-16-gloo | 3.20 | 1.60 | 0.80 | 2.100 | 0.91 | 0.95 | 0.98 | 3.20 | 0.91 |" in (
+        markdown(ms, parts)
     )
 
 
@@ -561,6 +563,7 @@ def test_floor_quick_run_times_every_job(tmp_path):
     for job in ("local-4", "local-4-gloo"):
         local = data["local"][job]
         assert local["exchange"] > 0 and local["together"] > 0 and local["together_cpu"] > 0
+        assert local["overlap_cpu"] > 0
         assert len(data["inside_rounds"][job][0]["exchange_by_rank"]) == 2
     assert "ms per step" in proc.stderr  # progress as each job ends
 
