@@ -198,7 +198,7 @@ class Overlapped:
 
     def _counted(self, own):
         """`own` x this round's weight (its share's steps: `--sync-balance`)."""
-        if self.weight == 1.0:
+        if not self.balance.balanced:
             return own
         weight = tf.constant(self.weight, tf.float32)
         return [optim.weighted(o, weight) for o in own]

@@ -124,10 +124,13 @@ def decompose(ms, inside):
     }
 
 
-def _overlapped_cpu(hvd, tf, model, opt, every, step):
+def _overlapped_cpu(model, opt, every, step):
     """The process's mean CPU seconds (every thread) in a round of `--sync-overlap`'s
     exchange, the ranks arriving together: its work at the exchange point (which lands the
     round before), then its thread's averaging, waited for."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
     from hvdtrain.exchange import for_config
     from hvdtrain.flags import make_config
 
@@ -344,7 +347,7 @@ def _worker(exchange, model_name, batch, calls):
             together.append(time.perf_counter() - start)
             cpu.append(time.process_time() - used)
         mine = (mine, 1e3 * statistics.median(together), 1e3 * statistics.mean(cpu),
-                1e3 * _overlapped_cpu(hvd, tf, model, opt, local, exchanges.step))  # fmt: skip
+                1e3 * _overlapped_cpu(model, opt, local, exchanges.step))  # fmt: skip
         both = hvd.allgather_object(mine)
         inside = {"exchange": statistics.mean(m[0] for m in both),
                   "together": statistics.mean(m[1] for m in both),
