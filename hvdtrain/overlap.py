@@ -123,9 +123,11 @@ class Overlapped:
             if self.step == self.round_start or self.agreed == self.step:
                 return False
             began = time.perf_counter()
-            if self._point_fn is None:  # one traced call: eager ops per variable, or a call
-                self._point_fn = tf.function(self._point, autograph=False)  # each, cost more
-            landed = self._landed()  # than the exchange itself on a rank of one core
+            # One traced call: eager ops per variable, or a call for each part, cost more
+            # than the exchange itself on a rank of one core.
+            if self._point_fn is None:
+                self._point_fn = tf.function(self._point, autograph=False)
+            landed = self._landed()
             weight = tf.constant(self.weight, tf.float32)
             asking = tf.constant(float(self._asking), tf.float32)
             self.pending = InFlight(self._reduce, self._point_fn(weight, asking, landed))
