@@ -188,7 +188,7 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index /opt/hv
 # The finished environment: TensorFlow (the CUDA build on GPU), Keras 2 as tf.keras, Horovod's
 # build (the stub libcuda only for this check, on GPU).
 RUN if [ -d /usr/local/cuda/lib64/stubs ]; then ldconfig /usr/local/cuda/lib64/stubs; fi \
-    && python -c 'import os, tensorflow as tf, horovod.tensorflow.keras, mpi4py, hvdtrain, hvdtrain.compat as c; c.require_keras2(); gpu = bool(os.environ["HOROVOD_GPU_OPERATIONS"]); assert tf.test.is_built_with_cuda() == gpu, "TensorFlow is not the build for this image"' \
+    && python -c 'import os, tensorflow as tf, horovod.tensorflow.keras, mpi4py, hvdtrain, hvdtrain.runtime.compat as c; c.require_keras2(); gpu = bool(os.environ["HOROVOD_GPU_OPERATIONS"]); assert tf.test.is_built_with_cuda() == gpu, "TensorFlow is not the build for this image"' \
     && horovodrun --check-build \
     && ldconfig
 

@@ -13,94 +13,90 @@ launched with `horovodrun -np 4 python train.py`, `mpirun -np 4 python train.py`
 (`init`, `train_dataset`, `distributed_optimizer`, `broadcast_initial_state`, ...) are
 here too, for loops of your own.
 
-Importing `hvdtrain` does not import TensorFlow: the names below load their module on
-first use, so the launcher (`hvdtrain.launcher`) starts fast and never touches a GPU. It
-sets TF_USE_LEGACY_KERAS=1 (Keras 2 for tf.keras; see `hvdtrain.compat`), turns
-TensorFlow's start-up log noise off (TF_CPP_MIN_LOG_LEVEL=2 unless set), and makes an
-uncaught `HvdtrainError` print one line and exit 2, like the entry points.
+Importing `hvdtrain` defines these names and does nothing else: each loads its module on
+first use (so the launcher, `hvdtrain.launcher`, never imports TensorFlow), and what changes
+the process happens in the calls you make (`hvdtrain.init`, `hvdtrain.fit`,
+`hvdtrain.ArgumentParser`, the entry points, `hvdtrain-run`). The one exception, where
+TensorFlow 2.16 or newer is installed: TF_USE_LEGACY_KERAS=1 is set (unless set already), so
+that `tf.keras` is Keras 2, which Horovod needs; TensorFlow reads it when `tf.keras` is first
+used, so it must be set before then (`hvdtrain.runtime.compat`).
 """
 
 import importlib
 import os
 
+from hvdtrain.runtime import compat  # the standard library only: no TensorFlow
+
 __version__ = "0.1.0"
 
-from hvdtrain import compat, startup  # noqa: E402  (standard library only; no TensorFlow)
-from hvdtrain.errors import report_uncaught  # noqa: E402
+# The module paths before the concept folders (`hvdtrain.records`, `hvdtrain.flags`, ...): each
+# resolves to the module it moved to (`hvdtrain/_moved`).
+__path__.append(os.path.join(os.path.dirname(__file__), "_moved"))
 
-# Keras 2 (tf_keras) for tf.keras from TensorFlow 2.16 on: Horovod has no Keras 3 path. It must
-# be set before TensorFlow is imported, so here, before any module of ours imports it (it also
-# reaches every process the launcher starts). `hvdtrain.compat` explains a wrong Keras.
 if compat.legacy_keras_needed(compat.tensorflow_version()):
     os.environ.setdefault(compat.LEGACY_KERAS, "1")
     compat.keras2_submodules()  # `from tensorflow.keras.x import y` after it, too
-# TensorFlow's start-up noise (oneDNN, CPU features, absl) off unless asked for: set
-# TF_CPP_MIN_LOG_LEVEL=0 to see it again. Errors still show. What TensorFlow 2.21 logs while
-# it loads, whatever the level, is left out of its import (`hvdtrain.startup`).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-startup.quiet_tensorflow_import()
-report_uncaught()  # a user mistake in a script prints one line, not a traceback
 
 _EXPORTS = {
     # the recipe
-    "fit": "trainer",
-    "ArgumentParser": "flags",
-    "TrainConfig": "flags",
+    "fit": "recipe.trainer",
+    "ArgumentParser": "recipe.flags",
+    "TrainConfig": "recipe.flags",
     # data
-    "as_data": "forms",
+    "as_data": "data.forms",
     "Data": "data",
     "ArrayData": "data",
     "DatasetData": "data",
-    "FileData": "records",
-    "BatchData": "batches",
+    "FileData": "data.files",
+    "BatchData": "data.batches",
     "Placement": "data",
     "shard_indices": "data",
     "steps_per_epoch": "data",
     "train_dataset": "data",
     "eval_dataset": "data",
-    "load_mnist": "mnist_data",
+    "load_mnist": "data.mnist",
     # set-up
     "HvdtrainError": "errors",
     "TrainingDiverged": "errors",
     "OutputsNotWritten": "errors",
-    "init": "runtime",
-    "is_main_process": "runtime",
-    "gpu_for_local_rank": "runtime",
-    "threads_per_rank": "runtime",
-    "agree": "runtime",
-    "rank_report": "runtime",
-    "weights_digest": "runtime",
-    "get_logger": "logs",
-    "compile_options": "tuning",
+    "init": "runtime.process",
+    "is_main_process": "runtime.process",
+    "gpu_for_local_rank": "runtime.process",
+    "threads_per_rank": "runtime.process",
+    "agree": "runtime.process",
+    "rank_report": "runtime.process",
+    "weights_digest": "runtime.process",
+    "get_logger": "runtime.logs",
+    "compile_options": "runtime.tuning",
     # optimisation
-    "scaled_lr": "rates",
-    "warmup_lr": "rates",
-    "WarmupSchedule": "rates",
-    "distributed_optimizer": "optim",
-    "fp16_compression": "optim",
-    "broadcast_initial_state": "optim",
-    "average_model_state": "optim",
+    "scaled_lr": "optimizers.rates",
+    "warmup_lr": "optimizers.rates",
+    "WarmupSchedule": "optimizers.rates",
+    "distributed_optimizer": "recipe.optim",
+    "fp16_compression": "recipe.optim",
+    "broadcast_initial_state": "recipe.optim",
+    "average_model_state": "recipe.optim",
     # metrics
-    "weighted_mean": "metrics",
-    "evaluate": "metrics",
-    "MetricAverageCallback": "metrics",
+    "weighted_mean": "recipe.metrics",
+    "evaluate": "recipe.metrics",
+    "MetricAverageCallback": "recipe.metrics",
     # callbacks
-    "ModelStateAverageCallback": "callbacks",
-    "CheckpointCallback": "callbacks",
-    "ProgressCallback": "callbacks",
-    "ThroughputCallback": "callbacks",
-    "Watchdog": "watchdog",
-    "WatchdogCallback": "callbacks",
-    "rank0_only": "usercallbacks",
+    "ModelStateAverageCallback": "recipe.callbacks",
+    "CheckpointCallback": "recipe.callbacks",
+    "ProgressCallback": "recipe.callbacks",
+    "ThroughputCallback": "recipe.callbacks",
+    "Watchdog": "runtime.watchdog",
+    "WatchdogCallback": "recipe.callbacks",
+    "rank0_only": "recipe.usercallbacks",
     # ranks that drift apart
-    "RanksDisagree": "agreement",
-    "check_weights_agree": "agreement",
-    "WeightsAgreeCallback": "agreement",
+    "RanksDisagree": "recipe.agreement",
+    "check_weights_agree": "recipe.agreement",
+    "WeightsAgreeCallback": "recipe.agreement",
     # files
-    "CheckpointManager": "checkpoint",
-    "Manifest": "checkpoint",
-    "write_json": "files",
-    "export_model": "files",
+    "CheckpointManager": "recipe.checkpoint",
+    "Manifest": "recipe.checkpoint",
+    "write_json": "recipe.outputs",
+    "export_model": "recipe.outputs",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -21,10 +21,11 @@ import tarfile
 
 import numpy as np
 
-from hvdtrain import frontends, sources
+from hvdtrain import frontends
+from hvdtrain.data import sources
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
-from hvdtrain.flags import ArgumentParser
+from hvdtrain.recipe.flags import ArgumentParser
 
 __all__ = ["main", "load_cifar10", "build_model"]
 
@@ -213,6 +214,7 @@ def _compiled(name, lr, version):
 
 
 def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO lines off
     parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=30, batch_size=64, lr=0.05)
     parser.add_argument("--model", choices=["resnet-small", "resnet50"], default="resnet-small")
     parser.add_argument("--data-dir", help="folder with the CIFAR-10 python batches")
@@ -222,7 +224,7 @@ def main(argv=None):
         args = parser.parse_args(argv)
         if args.data_dir and not os.path.isdir(args.data_dir):
             raise invalid_value("--data-dir", args.data_dir, "an existing folder")
-        from hvdtrain.trainer import fit  # TensorFlow loads here, once the flags are good
+        from hvdtrain.recipe.trainer import fit  # TensorFlow loads here, once the flags are good
 
         frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
         build = functools.partial(_compiled, args.model, args.lr, args.keras)

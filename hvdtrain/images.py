@@ -20,7 +20,7 @@ import numpy as np
 from hvdtrain import frontends
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
-from hvdtrain.flags import ArgumentParser
+from hvdtrain.recipe.flags import ArgumentParser
 
 __all__ = ["main", "list_images", "build_model"]
 
@@ -111,6 +111,7 @@ def _compiled(classes, weights, lr, version):
 
 
 def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO lines off
     parser = ArgumentParser(f"python -m {PROG}", __doc__, epochs=5, batch_size=16, lr=1e-3)
     parser.add_argument("--data-dir", required=True, help="one sub-folder of images per class")
     parser.add_argument("--weights", help="local MobileNetV2 no-top weights file (.h5)")
@@ -138,7 +139,7 @@ def main(argv=None):
             source="data-dir",
             notice=f"{len(classes)} classes from {args.data_dir}; {where}",
         )  # fmt: skip
-        from hvdtrain.trainer import fit
+        from hvdtrain.recipe.trainer import fit
 
         frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
         build = functools.partial(_compiled, len(classes), args.weights, args.lr, args.keras)

@@ -29,10 +29,11 @@ complete checkpoint.
 import math
 import os
 
-from hvdtrain import frontends, mnist_data, sources
+from hvdtrain import frontends
+from hvdtrain.data import mnist, sources
 from hvdtrain.errors import invalid_value
 from hvdtrain.errors import main as cli_main
-from hvdtrain.flags import ArgumentParser
+from hvdtrain.recipe.flags import ArgumentParser
 
 __all__ = ["main", "parse_args", "train", "build_model", "cosine_decay"]
 
@@ -97,13 +98,13 @@ def cosine_decay(epoch, lr, epochs):
 def train(args):
     """Trains as `args` says; returns the metrics dict (rank 0 also writes it)."""
     from hvdtrain.data import ArrayData
-    from hvdtrain.trainer import fit  # TensorFlow loads here, once the flags are good
+    from hvdtrain.recipe.trainer import fit  # TensorFlow loads here, once the flags are good
 
     def load():  # on every rank after hvdtrain.init(): the ranks agree on the source
         source = sources.choose_source(
-            args.data_dir, mnist_data.keras_cache_path(), _download, "embedded", PROG
+            args.data_dir, mnist.keras_cache_path(), _download, "embedded", PROG
         )
-        (x, y), test = mnist_data.load_mnist(source, args.data_dir)
+        (x, y), test = mnist.load_mnist(source, args.data_dir)
         return ArrayData(x, y, test=test, source=source, notice=SOURCES[source])
 
     keras = frontends.keras_module(args.keras)  # Keras 3 loaded before fit prepares it
@@ -117,6 +118,7 @@ def train(args):
 
 def main(argv=None):
     """`python -m hvdtrain.mnist`: parse, train, report; user errors exit 2 in one line."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO lines off
     cli_main(lambda argv: train(parse_args(argv)), argv, PROG)
 
 

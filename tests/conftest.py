@@ -229,9 +229,9 @@ def run_job(np, backend, args, timeout=JOB_TIMEOUT, check=True, hosts=None, **en
 
 
 def ours(text):
-    """`text`'s lines but TensorFlow's start-up noise (`hvdtrain.startup`), which a script
+    """`text`'s lines but TensorFlow's start-up noise (`hvdtrain.launcher.noise`), which a script
     that imports TensorFlow before hvdtrain prints on CPUs where oneDNN is on."""
-    from hvdtrain.startup import is_startup_noise
+    from hvdtrain.launcher.noise import is_startup_noise
 
     return [line for line in text.splitlines() if not is_startup_noise(line)]
 

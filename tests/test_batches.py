@@ -19,8 +19,8 @@ from conftest import BIN, job_env, run_job, worker
 from helpers.image_folders import class_folders
 
 import hvdtrain
-from hvdtrain.batches import BatchData
 from hvdtrain.data import Placement
+from hvdtrain.data.batches import BatchData
 from hvdtrain.errors import HvdtrainError
 
 WORKER = worker("python_data.py")

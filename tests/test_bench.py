@@ -248,7 +248,7 @@ def test_launch_commands_per_variant():
 
 def test_each_rank_gets_its_own_cores():
     from hvdtrain.bench.workers import local_rank_from_env
-    from hvdtrain.tuning import bind_to_cores
+    from hvdtrain.runtime.tuning import bind_to_cores
 
     assert bind_to_cores(0, 1, {0, 1}) == {0}
     assert bind_to_cores(1, 1, {0, 1}) == {1}

@@ -104,8 +104,8 @@ def test_evaluate_refuses_an_endless_dataset(spe):
 def test_divergence_stops_on_nan_infinite_or_blown_up_weights(lr, x, words):
     """A huge learning rate blows the weights up to 1e30 and the loss can stay finite (every
     ReLU dead): that is divergence too, as NaN or infinite weights are."""
-    from hvdtrain.callbacks import DivergenceCallback
     from hvdtrain.errors import TrainingDiverged
+    from hvdtrain.recipe.callbacks import DivergenceCallback
 
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     model.compile(tf.keras.optimizers.SGD(lr), "mse")

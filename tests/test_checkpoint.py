@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.recipe.checkpoint import CheckpointManager
 
 
 def _model_and_optimizer(width=8, seed=0):

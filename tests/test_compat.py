@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ours
 
-from hvdtrain.compat import keras_problem, legacy_keras_needed
+from hvdtrain.runtime.compat import keras_problem, legacy_keras_needed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +82,7 @@ def test_keras3_fixed_before_hvdtrain_is_one_clear_error(tmp_path, legacy):
     assert "Traceback" not in proc.stderr
 
 
-# -- TensorFlow's start-up noise (hvdtrain.startup) ----------------------------------------
+# -- TensorFlow's start-up noise (hvdtrain.launcher.noise) ----------------------------------------
 ABSL = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 ONEDNN = (
     "I0000 00:00:1795511589.155556   31604 port.cc:153] oneDNN custom operations are on. You "
@@ -104,74 +104,58 @@ ONEDNN = (
     ],
 )
 def test_startup_noise_is_only_those_two_lines(line, noise):
-    from hvdtrain.startup import is_startup_noise
+    from hvdtrain.launcher.noise import is_startup_noise
 
     assert is_startup_noise(line) is noise
 
 
-NOISY_MODULE = f"""
-import os, sys
-os.write(2, b"kept: before\\n{ABSL}\\n")
-print("kept: from Python", file=sys.stderr, flush=True)
-os.write(2, b"{ONEDNN}\\nkept: after\\n")
+IMPORT_CHECK = """
+import os, subprocess, sys
+import psutil
+before = (sys.excepthook, list(sys.meta_path), dict(os.environ), sorted(sys.modules))
+children = psutil.Process().children(recursive=True)
+import hvdtrain
+names = [getattr(hvdtrain, n) for n in ("ArgumentParser", "CheckpointManager", "get_logger")]
+after = (sys.excepthook, list(sys.meta_path), dict(os.environ))
+added = {k: v for k, v in after[2].items() if before[2].get(k) != v}
+print("excepthook", after[0] is before[0])
+print("meta_path", after[1] == before[1])
+print("children", psutil.Process().children(recursive=True) == children)
+print("environ", sorted(added.items()))
+print("tensorflow", "tensorflow" in sys.modules)
 """
 
 
-def test_a_hooked_import_keeps_every_line_but_the_noise(tmp_path):
-    """A stand-in for TensorFlow that writes to file descriptor 2 while it loads, as its C++
-    does: its noise is left out, every other line kept in order, and the module keeps its
-    own loader; an import that fails still shows what it wrote; a check that it is there
-    (`find_spec`, as some libraries make) leaves the hook for the import itself."""
-    (tmp_path / "noisy.py").write_text(NOISY_MODULE)
-    (tmp_path / "broken.py").write_text(NOISY_MODULE + "raise ImportError('broken')\n")
-    script = (
-        "import importlib.util\nfrom hvdtrain import startup\n"
-        "for name in ('noisy', 'broken'):\n"
-        "    assert startup.quiet_tensorflow_import({'TF_CPP_MIN_LOG_LEVEL': '2'}, name)\n"
-        "assert importlib.util.find_spec('noisy') is not None\n"
-        "import noisy\n"
-        "print(type(noisy.__loader__).__name__)\n"
-        "try:\n"
-        "    import broken\n"
-        "except ImportError as e:\n"
-        "    print('failed:', e)\n"
-    )
-    proc = run_script(tmp_path, script)
+def test_import_hvdtrain_defines_names_and_changes_nothing_else(tmp_path):
+    """A fresh interpreter: `import hvdtrain` (and the names a launcher-side script reads)
+    leaves the excepthook, the import system, the child processes and the environment as
+    they were, but for TF_USE_LEGACY_KERAS=1 (Keras 2 for tf.keras: docs/getting-started.md),
+    and imports no TensorFlow."""
+    proc = run_script(tmp_path, IMPORT_CHECK)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["SourceFileLoader", "failed: broken"]
-    assert proc.stderr.splitlines() == ["kept: before", "kept: from Python", "kept: after"] * 2
-
-
-def test_a_process_that_dies_while_importing_loses_no_line(tmp_path):
-    """TensorFlow aborts on a CPU it cannot use, after saying why: the filter process
-    outlives the importing one and passes the reason on."""
-    (tmp_path / "dying.py").write_text(NOISY_MODULE + "os.write(2, b'kept: why\\n'); os.abort()\n")
-    script = (
-        "from hvdtrain import startup\n"
-        "assert startup.quiet_tensorflow_import({'TF_CPP_MIN_LOG_LEVEL': '2'}, 'dying')\n"
-        "import dying\n"
-    )
-    proc = run_script(tmp_path, script)
-    assert proc.returncode == -6, proc.stderr  # SIGABRT
-    assert proc.stderr.splitlines() == [
-        "kept: before",
-        "kept: from Python",
-        "kept: after",
-        "kept: why",
+    assert proc.stdout.splitlines() == [
+        "excepthook True",
+        "meta_path True",
+        "children True",
+        "environ [('TF_USE_LEGACY_KERAS', '1')]",
+        "tensorflow False",
     ]
+    proc = run_script(tmp_path, IMPORT_CHECK, TF_USE_LEGACY_KERAS="1")  # set: nothing at all
+    assert "environ []" in proc.stdout.splitlines(), proc.stdout + proc.stderr
 
 
-def test_tensorflow_imported_after_hvdtrain_is_quiet_unless_asked(tmp_path):
-    """Real TensorFlow (its noise shows on CPUs where oneDNN is on): nothing on stderr after
-    `import hvdtrain`; with TF_CPP_MIN_LOG_LEVEL=0 nothing is hooked."""
-    from hvdtrain.startup import is_startup_noise, quiet_tensorflow_import
-
-    script = "import hvdtrain\nimport tensorflow as tf\nprint(tf.constant(2).numpy())\n"
-    proc = run_script(tmp_path, script)
-    assert proc.returncode == 0 and proc.stdout == "2\n", proc.stderr
-    assert not [line for line in proc.stderr.splitlines() if is_startup_noise(line)], proc.stderr
-    assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "0"}, "not_imported_yet")
-    assert not quiet_tensorflow_import({"TF_CPP_MIN_LOG_LEVEL": "2"}, "os")  # imported
+def test_the_calls_that_change_the_process_say_so(tmp_path):
+    """What `import hvdtrain` no longer does happens in the calls a user makes: the hook of
+    uncaught errors (one line for a mistake) is installed by `hvdtrain.ArgumentParser()`,
+    `hvdtrain.init()` and `hvdtrain.fit`."""
+    proc = run_script(
+        tmp_path,
+        "import sys\nimport hvdtrain\nhook = sys.excepthook\nhvdtrain.ArgumentParser()\n"
+        "print(sys.excepthook is not hook)\n"
+        "raise hvdtrain.HvdtrainError('Invalid value for `x`: received 1; expected 2')\n",
+    )
+    assert proc.stdout == "True\n" and proc.returncode == 2, proc.stderr
+    assert proc.stderr == "train.py: error: Invalid value for `x`: received 1; expected 2\n"
 
 
 def test_tensorflow_keras_submodules_are_keras2_when_tensorflow_came_first():
@@ -234,7 +218,7 @@ def test_plain_mpirun_shows_tensorflows_start_up_lines_and_one_setting_quiets_th
     TF_ENABLE_ONEDNN_OPTS=0, none. Fails while an old set-up's `.pth` is in the environment."""
     import sysconfig
 
-    from hvdtrain.startup import is_startup_noise
+    from hvdtrain.launcher.noise import is_startup_noise
 
     old = os.path.join(sysconfig.get_paths()["purelib"], OLD_PTH)
     assert not os.path.exists(old), f"{old}: run the set-up again (make setup) to remove it"

@@ -17,8 +17,9 @@ import tensorflow as tf
 from conftest import ROOT, job_env, run_job, worker
 
 import hvdtrain
-from hvdtrain import prepare, rates, usercallbacks
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.optimizers import rates
+from hvdtrain.recipe import prepare, usercallbacks
 
 WORKER = worker("customizing_fit.py")
 CORPUS = ["vae", "gan", "wgan", "distiller", "contrastive", "named"]
@@ -52,7 +53,8 @@ def _corpus_module(version):
 @pytest.mark.parametrize("version", ["2", "3"])
 def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version, tmp_path):
     k = _keras(version)
-    from hvdtrain import flags, frontends
+    from hvdtrain import frontends
+    from hvdtrain.recipe import flags
 
     gan = _corpus_module(version).build_gan()
     gan.extra = [gan.d_optimizer, gan.g_optimizer]  # the same objects again, in a list
@@ -69,7 +71,7 @@ def test_every_optimizer_the_model_holds_is_found_and_replaced_once(version, tmp
     assert optimizers.reported == "g_optimizer"  # not Keras's unused default RMSprop
     # Checkpointed, the lists whose items were replaced included (Keras 2's ListWrapper
     # refuses to be saved once an item is replaced in place).
-    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     CheckpointManager(str(tmp_path), gan, optimizers.by_name).save(1)
     assert gan.more["probe"] is optimizers.by_name["more['probe']"]
@@ -285,10 +287,10 @@ def test_callbacks_see_one_training_and_class_weight_reaches_keras(version, tmp_
 
 @pytest.mark.parametrize("version", ["2", "3"])
 def test_a_model_class_of_its_own_is_exported_as_weights_that_load(version, tmp_path):
-    from hvdtrain import files
+    from hvdtrain.recipe import outputs
 
     corpus = _corpus_module(version)
-    path = files.export_model(corpus.build_gan(), corpus.build_gan, str(tmp_path / "model.keras"))
+    path = outputs.export_model(corpus.build_gan(), corpus.build_gan, str(tmp_path / "model.keras"))
     assert path == str(tmp_path / "model.weights.h5") and os.path.exists(path)
     fresh = corpus.build_gan()
     fresh.built = True  # never called whole: Keras 3 loads into a model marked built

@@ -5,8 +5,8 @@ import gzip
 import numpy as np
 import pytest
 
+from hvdtrain.data.mnist import load_mnist, read_idx
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.mnist_data import load_mnist, read_idx
 
 
 def _idx(array, ndim_code):

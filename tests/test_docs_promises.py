@@ -264,8 +264,8 @@ def test_every_row_of_the_fault_table_names_a_test_that_exists():
 
 
 def test_the_exit_codes_of_the_page_are_the_code_s():
-    from hvdtrain.agreement import RanksDisagree
-    from hvdtrain.watchdog import EXIT_CODE
+    from hvdtrain.recipe.agreement import RanksDisagree
+    from hvdtrain.runtime.watchdog import EXIT_CODE
 
     text = " ".join(open(FAULTS).read().split())
     codes = text[text.index("**Exit codes**") :].split("**", 3)[2]
@@ -332,7 +332,7 @@ def test_a_line_and_its_end_go_out_in_one_write():
 def test_the_first_progress_figures_leave_the_start_up_out():
     """After a resume mid-epoch (or in a process's first epoch) the first execution traces
     and compiles: the epoch's line times the steps after it, and says so."""
-    from hvdtrain.callbacks import ProgressCallback
+    from hvdtrain.recipe.callbacks import ProgressCallback
 
     out = io.StringIO()
     progress = ProgressCallback(2, 20, 64, start_step=10, mode="lines", seconds=1e9, stream=out)
@@ -348,8 +348,8 @@ def test_a_mid_epoch_checkpoint_line_says_what_its_folder_name_means(tmp_path, c
     """epoch-0001-step-000006 is after epoch 1, 6 steps into epoch 2: the line says both."""
     import tensorflow as tf
 
-    from hvdtrain.callbacks import CheckpointCallback
-    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.recipe.callbacks import CheckpointCallback
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     hvdtrain.init(threads=1)
     model = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(1)])

@@ -16,11 +16,11 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import job_env, worker
+from conftest import ROOT, job_env, worker
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import exchange_due, fitting_steps_per_execution
-from hvdtrain.flags import make_config
+from hvdtrain.recipe.flags import make_config
 
 CHECKS = worker("exchange_checks.py")
 RECIPE = worker("recipe.py")
@@ -79,7 +79,7 @@ def test_balanced_shares_cover_the_epoch_with_every_ranks_exchanges(steps, every
     """`--sync-balance`: the ranks' shares are runs of the epoch's batches, one after the
     other, covering it; the faster rank takes more; every rank exchanges as often, between
     whole executions; the weights make the ranks' mean a mean weighted by steps."""
-    from hvdtrain.shares import plan_epoch
+    from hvdtrain.data.shares import plan_epoch
 
     shares = plan_epoch(steps, every, speeds, unit)
     ranks = len(speeds)
@@ -106,7 +106,8 @@ def test_balance_times_executions_and_shares_equally_until_an_epoch_is_timed():
     """The speed is the median time a step of an epoch's executions, its first (tracing)
     left out; an epoch not timed (synchronous steps) or a rank that timed nothing gives equal
     shares next; equal shares gather nothing (no collective)."""
-    from hvdtrain.shares import Balance, EqualShares
+    from hvdtrain.data import ArrayData, Placement
+    from hvdtrain.data.shares import Balance, EqualShares
 
     balance, sent = Balance(), []
 
@@ -114,21 +115,31 @@ def test_balance_times_executions_and_shares_equally_until_an_epoch_is_timed():
         sent.append(value)
         return [value, value / 2]  # rank 1 half as fast
 
-    assert balance.share(0, 40, 8, 4) is None and balance.execution_steps(16, 16) == 4
+    data = ArrayData(np.arange(400, dtype="float32").reshape(400, 1), np.zeros(400))
+    data.prepare(Placement(0, 1, 0, 1, "here"), 0)
+
+    def share(sharing, rank):
+        """`rank`'s epoch 1 of 40 steps a rank at H=8, on executions of 4 steps."""
+        sharing.plan(8, 4, 0)
+        sharing.train_dataset(data, 4, Placement(rank, 2, rank, 2, "here"), seed=0, first=40,
+                              steps=40, epochs=2, todo=40)  # fmt: skip
+        return sharing.current
+
+    assert share(balance, 0) is None and balance.execution_steps(16, 16) == 4
     balance.begin_epoch(timed=True)
     for step, seconds in ((4, 9.0), (8, 0.04), (12, 0.04), (16, 0.08)):  # 10 ms a step
         balance.clock(step, seconds)
     balance.gather(allgather)
     assert sent == [pytest.approx(100.0)] and balance.speeds == [pytest.approx(100), 50]
-    fast, slow = balance.share(0, 40, 8, 4), Balance.share(balance, 1, 40, 8, 4)
+    fast, slow = share(balance, 0), share(balance, 1)
     assert fast.steps > 40 > slow.steps and fast.steps + slow.steps == 80
     balance.begin_epoch(timed=False)  # an epoch of synchronous steps
     balance.clock(4, 0.04)
     balance.gather(allgather)
-    assert sent[-1] == 0.0 and balance.speeds is None and balance.share(0, 40, 8, 4) is None
+    assert sent[-1] == 0.0 and balance.speeds is None and share(balance, 0) is None
     equal = EqualShares()
     equal.gather(allgather)
-    assert len(sent) == 2 and equal.share(0, 40, 8, 4) is None
+    assert len(sent) == 2 and share(equal, 0) is None
     assert equal.execution_steps(16, 16) == 16
 
 
@@ -159,7 +170,7 @@ def test_balanced_shares_of_files_read_each_record_once_an_epoch(tmp_path):
 
     import hvdtrain
     from hvdtrain.data import Placement
-    from hvdtrain.records import FileData
+    from hvdtrain.data.files import FileData
 
     hvdtrain.init(threads=1)  # (one rank: `prepare` agrees through Horovod)
     ids = iter(range(103))
@@ -188,28 +199,35 @@ def test_balanced_shares_of_files_read_each_record_once_an_epoch(tmp_path):
 
 
 def test_balance_refuses_data_it_cannot_share_out_in_one_line():
-    from hvdtrain import exchange
-    from hvdtrain.data import ArrayData, DatasetData
+    from hvdtrain.data import ArrayData, DatasetData, shares
 
-    strategy = exchange.for_config(make_config(sync="local", sync_balance=True))
-    strategy.check_data(ArrayData(np.zeros((8, 2)), np.zeros(8)))
+    sharing = shares.for_config(make_config(sync="local", sync_balance=True))
+    sharing.check(ArrayData(np.zeros((8, 2)), np.zeros(8)))
     with pytest.raises(HvdtrainError) as e:
-        strategy.check_data(DatasetData(lambda rank, size, seed, epoch: None, num_samples=8))
+        sharing.check(DatasetData(lambda rank, size, seed, epoch: None, num_samples=8))
     assert "`--sync-balance`: received True; expected data in memory" in str(e.value)
     assert "\n" not in str(e.value) and "`hvdtrain.FileData` without per_host" in str(e.value)
-    assert exchange.for_config(make_config(sync="local")).epoch_by_epoch is False
+    assert shares.for_config(make_config(sync="local")).per_epoch is False
 
 
-@pytest.mark.parametrize("mode, cls", [("step", "Exchange"), ("local", "LocalSGD"),
-                                       ("diloco", "DiLoCo")])  # fmt: skip
-def test_one_strategy_per_mode_built_from_the_config(mode, cls):
+@pytest.mark.parametrize(
+    "mode, overlap, names",
+    [("step", False, ("EveryStep", None, None)),
+     ("local", False, ("Rounds", "LocalSGD", "Blocking")),
+     ("diloco", False, ("Rounds", "DiLoCo", "Blocking")),
+     ("diloco", True, ("Rounds", "DiLoCo", "InFlight"))],
+)  # fmt: skip
+def test_a_mode_holding_an_averager_is_built_from_the_config(mode, overlap, names):
     from hvdtrain import exchange
+    from hvdtrain.data.shares import EqualShares
 
-    options = {"sync_every": 8} if mode != "step" else {}
-    strategy = exchange.for_config(make_config(sync=mode, **options))
-    assert type(strategy).__name__ == cls and strategy.mode == mode
-    assert strategy.exchanges_rarely == (mode != "step")
-    assert strategy.steps_per_execution(16) == (16 if mode == "step" else 8)
+    options = {"sync_every": 8, "sync_overlap": overlap} if mode != "step" else {}
+    ex = exchange.for_config(make_config(sync=mode, **options))
+    held = (type(getattr(ex, "mode", None)).__name__, type(getattr(ex, "averager", None)).__name__)
+    assert (type(ex).__name__, *held) == tuple(n or "NoneType" for n in names)
+    assert ex.exchanges_rarely == (mode != "step")
+    assert ex.configure(None, 16, EqualShares()) == (16 if mode == "step" else 8)
+    assert set(exchange.MODES) == {"step", "local", "diloco"}
 
 
 def test_building_a_strategy_leaves_tensorflow_unstarted_for_hvdtrain_init():
@@ -218,7 +236,7 @@ def test_building_a_strategy_leaves_tensorflow_unstarted_for_hvdtrain_init():
     about 0.7 of the synchronous mode at -np 2."""
     code = (
         "from hvdtrain import exchange\n"
-        "from hvdtrain.flags import make_config\n"
+        "from hvdtrain.recipe.flags import make_config\n"
         "for mode in ('step', 'local', 'diloco'):\n"
         "    for overlap in (False, True):\n"
         "        extra = {'sync_every': 8, 'sync_overlap': overlap} if mode != 'step' else {}\n"
@@ -240,7 +258,8 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
     code = (
         "import numpy as np, tensorflow as tf, hvdtrain\n"
         "from hvdtrain import exchange\n"
-        "from hvdtrain.flags import make_config\n"
+        "from hvdtrain.data.shares import EqualShares\n"
+        "from hvdtrain.recipe.flags import make_config\n"
         "hvdtrain.init(threads=1)\n"
         "class Model:\n"
         "    pass\n"
@@ -249,16 +268,17 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
         "    m.trainable_variables, m.non_trainable_variables = [w], []\n"
         "    s = exchange.for_config(make_config(sync='diloco', sync_every=4,\n"
         "                                        sync_overlap=overlap))\n"
+        "    s.configure(None, 4, EqualShares())\n"
         "    s.attach(m, [])\n"
         "    for every in (4, 64):\n"
-        "        s.every = every\n"
+        "        s.every = s.mode.every = every\n"
         "        w.assign([1.0])\n"
-        "        s.outer.momentum[0].assign([0.0])\n"
+        "        s.mode.outer.momentum[0].assign([0.0])\n"
         "        s.begin(0, 0)\n"
         "        w.assign([0.0])\n"
-        "        s.step = 1\n"
+        "        s.replica.step = 1\n"
         "        s.now()\n"
-        "        print(overlap, s.outer_lr, round(float(1 - w.numpy()[0]), 4))\n"
+        "        print(overlap, s.mode.outer_lr, round(float(1 - w.numpy()[0]), 4))\n"
         "        s.now(whole=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -269,17 +289,41 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
         assert f"{overlap} 0.1 0.19" in lines and f"{overlap} 0.2 0.38" in lines, proc.stdout
 
 
-def test_the_synchronous_strategy_does_nothing_between_steps():
+def test_the_synchronous_exchange_does_nothing_between_steps():
     from hvdtrain import exchange
 
     step = exchange.for_config(make_config())
-    step.attach(model=None, optimizers=[])
+    assert step.configure("mixed_float16", 16, sharing=None) == 16
+    assert step.attach(model=None, optimizers=[]) == {}
     step.begin(start_step=5, lr_warmup_steps=10)
     step.before_checkpoint()
-    step.check_policy("mixed_float16")
-    assert step.holders() == {} and step.callbacks(10, 0, check=None) == []
-    assert step.in_agreement() and step.agrees_every_step and step.describe() == ""
+    assert step.callbacks(10, 0, check=None) == []
+    assert [type(c).__name__ for c in step.callbacks(10, 0, check=print)] == ["FirstSteps"]
+    assert step.ready_to_commit() and step.describe() == "" and step.rank_figures() == {}
     assert step.summary() == {"mode": "step"}
+
+
+def test_each_mode_and_averager_is_a_small_class_and_none_reads_anothers_privates():
+    """docs/development.md: a mode or an averager is one class in hvdtrain/exchange/ and one
+    line in its table; no class reads another's private attributes."""
+    import ast
+
+    folder = os.path.join(ROOT, "hvdtrain", "exchange")
+    for name in os.listdir(folder):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= 250, f"{name}: {node.name} has {lines} lines"
+            if not isinstance(node, ast.Attribute):
+                continue
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                assert isinstance(owner, ast.Name) and owner.id in ("self", "cls"), (
+                    f"{name}:{node.lineno}: .{node.attr} of another object"
+                )
 
 
 def test_h_is_resolved_once_with_its_default():
@@ -307,7 +351,8 @@ def test_an_optimizers_own_state_leaves_out_its_step_and_learning_rate(keras):
     rate, found by what they are (a float learning rate, and a `WarmupSchedule`)."""
     import tensorflow as tf
 
-    from hvdtrain import optim, rates
+    from hvdtrain.exchange import wire
+    from hvdtrain.optimizers import rates
 
     if keras == "3":
         import keras as k
@@ -319,7 +364,7 @@ def test_an_optimizers_own_state_leaves_out_its_step_and_learning_rate(keras):
     for lr in (0.01, rates.WarmupSchedule(0.01, size=2, warmup_steps=4)):
         opt = k.optimizers.Adam(lr)
         opt.build(weights)
-        slots = optim.slot_variables(opt)
+        slots = wire.slot_variables(opt)
         assert sorted(tuple(v.shape) for v in slots) == [(2,), (2,), (3, 2), (3, 2)]
         assert all(v.dtype.is_floating for v in slots)
 
@@ -327,7 +372,7 @@ def test_an_optimizers_own_state_leaves_out_its_step_and_learning_rate(keras):
 def test_the_gate_averages_in_the_warmup_only_and_keeps_none_gradients():
     import tensorflow as tf
 
-    from hvdtrain.gate import Gate, gated
+    from hvdtrain.optimizers.hooks import Gate, gated
 
     gate = Gate()
     grads = [tf.ones(2), None, tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), [3, 2])]
@@ -479,7 +524,7 @@ def test_an_overlapped_runs_stop_within_an_epoch_travels_with_the_exchanges(
     assert m["sync"]["exchanges"] == 13, m["sync"]
     assert all(len(v) == 3 for v in m["history"].values())
     assert _largest_difference(w0, w1) == 0
-    # Under these modes each rank is bound to its own share of the cores (hvdtrain.tuning),
+    # Under these modes each rank is bound to its own share of the cores (hvdtrain.runtime.tuning),
     # where nothing bound them before (a pytest confined to some cores leaves them be).
     cores = [r["cores"] for r in m["ranks"]]
     if len(os.sched_getaffinity(0)) == os.cpu_count() >= 2:

@@ -34,8 +34,8 @@ from helpers.hostile import (
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hvdtrain.data.mnist import load_mnist, read_idx
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.mnist_data import load_mnist, read_idx
 
 pytestmark = pytest.mark.timeout(120)
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -237,7 +237,7 @@ def test_a_record_file_that_cannot_be_read_is_one_line_that_says_why(tmp_path):
     TensorFlow stopped at; neither carries TensorFlow's function and op names."""
     import tensorflow as tf
 
-    from hvdtrain.records import count_records
+    from hvdtrain.data.files import count_records
 
     packed = str(tmp_path / "train-0.tfrecord")
     with tf.io.TFRecordWriter(packed, options="GZIP") as w:
@@ -266,7 +266,7 @@ def test_a_record_file_that_cannot_be_read_is_one_line_that_says_why(tmp_path):
 @example(manifest=json.dumps({"files": {}}).encode(), extra=b"")
 @example(manifest=b"[" * 100_000, extra=b"")
 def test_checkpoint_latest(tmp_path_factory, manifest, extra):
-    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     root = fresh(tmp_path_factory, "ckpt")
     folder = make_checkpoint_dir(root, manifest, extra)
@@ -290,7 +290,7 @@ def saved(tmp_path_factory):
     """A real checkpoint of a tiny Keras model, and a manager of the same model."""
     import tensorflow as tf
 
-    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     def build():
         model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
@@ -314,7 +314,7 @@ def saved(tmp_path_factory):
 def test_checkpoint_restore(saved, tmp_path_factory, fields, drop, garble):
     """Manifest fields rewritten (with the file digests kept right, as an attacker would)
     or a state file replaced: restoring gives the checkpoint or one HvdtrainError."""
-    from hvdtrain.checkpoint import CheckpointManager, _sha256
+    from hvdtrain.recipe.checkpoint import CheckpointManager, _sha256
 
     original, manager = saved
     folder = fresh(tmp_path_factory, "restore") / "ckpt"

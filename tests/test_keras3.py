@@ -133,7 +133,7 @@ def test_warmup_schedule_goes_into_the_optimizers_of_both_keras():
     import tensorflow as tf
 
     import hvdtrain
-    from hvdtrain.rates import warmup_lr
+    from hvdtrain.optimizers.rates import warmup_lr
 
     def decays():
         return [k.optimizers.schedules.ExponentialDecay(0.1, 4, 0.5) for k in (keras, tf.keras)]

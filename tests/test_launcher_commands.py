@@ -23,7 +23,8 @@ CMD = ("python", "-m", "hvdtrain.mnist", "--epochs", "1")
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LD_LIBRARY_PATH": "/opt/lib"}
 MPI_FIXED = ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
 MPI_FIXED += ["-mca", "pml", "ob1", "-mca", "btl", "^openib"]
-KERAS2 = {"TF_USE_LEGACY_KERAS": "1"}  # every backend gives it to every rank
+# Every backend gives them to every rank: TensorFlow's start-up lines off, Keras 2 for tf.keras.
+KERAS2 = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
 
 
 def config(backend, **kw):
@@ -59,6 +60,9 @@ def test_keras2_reaches_every_rank_and_the_users_value_wins(backend):
     # TensorFlow 2.15 (the CLI reads the version): the variable would break tf.keras there.
     argv, env = build_command(config(backend, keras2=False), ENV, uid=1000)
     assert "TF_USE_LEGACY_KERAS" not in env and "TF_USE_LEGACY_KERAS=1" not in argv
+    # TensorFlow's log level: 2 unless set (then forwarded as it is).
+    argv, env = build_command(config(backend), dict(ENV, TF_CPP_MIN_LOG_LEVEL="0"), uid=1000)
+    assert "TF_CPP_MIN_LOG_LEVEL" not in env and "TF_CPP_MIN_LOG_LEVEL=2" not in argv
 
 
 def test_horovodrun_options_and_venv_path():
@@ -85,7 +89,8 @@ def test_horovodrun_options_and_venv_path():
 @pytest.mark.parametrize("uid, root", [(1000, []), (0, ["--allow-run-as-root"])])
 def test_mpirun_as_user_and_as_root(uid, root):
     argv, env = build_command(config("mpirun"), ENV, uid=uid)
-    exports = ["-x", "TF_USE_LEGACY_KERAS=1", "-x", "LD_LIBRARY_PATH", "-x", "PATH"]
+    exports = ["-x", "TF_CPP_MIN_LOG_LEVEL=2", "-x", "TF_USE_LEGACY_KERAS=1"]
+    exports += ["-x", "LD_LIBRARY_PATH", "-x", "PATH"]
     assert argv == ["mpirun", *root, "-np", "4", "-H", "a:2,b:2", *MPI_FIXED, *exports, *CMD]
     assert env == {}
 

@@ -237,7 +237,7 @@ def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
     """Rank 0 waited in a step and its watchdog ended it first (status 124): the rank whose
     own watchdog said it was stuck is named; with none (a frozen process), the words say
     rank 0 waited."""
-    from hvdtrain.watchdog import message
+    from hvdtrain.runtime.watchdog import message
 
     waited = "[1,0]<stderr>:" + message(0, 20, "in step 6 of epoch 1", waited=True)
     stuck = "[1,1]<stderr>:" + message(1, 10, "in your callback Sleepy.on_epoch_end", False)
@@ -259,7 +259,7 @@ def test_a_watchdog_that_waited_for_the_others_is_not_the_one_blamed():
 def test_a_watchdogs_line_is_read_by_its_marker_not_its_words():
     """`hvdtrain-run` reads a watchdog's rank, and whether it waited for the others, from the
     marker at the end of its line (the words may change), and prints the line without it."""
-    from hvdtrain.watchdog import message, stalls, without_marker
+    from hvdtrain.runtime.watchdog import message, stalls, without_marker
 
     stuck = message(1, 10, "in your callback Sleepy.on_epoch_end", waited=False)
     waited = message(0, 20, "in step 6 of epoch 1", waited=True)
@@ -294,7 +294,7 @@ def test_a_rank_ending_starts_the_launchers_grace_and_unanswering_hosts_are_name
 
     from hvdtrain.errors import HvdtrainError
     from hvdtrain.launcher.failures import explain_unanswered, is_ending, launcher_grace_seconds
-    from hvdtrain.watchdog import message
+    from hvdtrain.runtime.watchdog import message
 
     # Seen when host node2's network was cut (tests/test_lost_hosts.py): rank 0's watchdog,
     # then mpirun's abort, which then waits for node2's daemon.
@@ -416,13 +416,13 @@ def test_a_traceback_every_rank_prints_alike_is_shown_once():
 
 
 def test_the_ranks_of_a_job_on_one_host_print_an_alike_traceback_once(tmp_path, monkeypatch):
-    """`hvdtrain.tracebacks`: each launcher's name for the job; the first rank publishes its
+    """`hvdtrain.runtime.tracebacks`: each launcher's name for the job; the first rank publishes its
     traceback, a later alike one gets that rank back, a different one prints its own."""
     import os
     import stat
     import tempfile
 
-    from hvdtrain.tracebacks import first_to_raise, job_key
+    from hvdtrain.runtime.tracebacks import first_to_raise, job_key
 
     assert job_key({"PMIX_NAMESPACE": "1556217857", "SLURM_JOB_ID": "7"}) == "1556217857"
     gloo = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4242"}
@@ -461,8 +461,8 @@ def test_the_first_line_names_your_function(tmp_path):
     import json
     import sys
 
-    from hvdtrain import flags
-    from hvdtrain.tracebacks import your_frame
+    from hvdtrain.recipe import flags
+    from hvdtrain.runtime.tracebacks import your_frame
 
     def parse(x):
         return int(x)

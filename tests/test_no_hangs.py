@@ -178,7 +178,7 @@ def test_the_stuck_rank_is_the_one_named(where, backend, tmp_path):
 @pytest.mark.parametrize("launcher", ["hvdtrain-run", "horovodrun", "mpirun"])
 def test_an_error_every_rank_raises_in_your_code_shows_its_traceback_once(launcher, tmp_path):
     """Both ranks raise in the user's callback: the first line names the function, the
-    traceback shows once, the other rank says whose it is (`hvdtrain.tracebacks`), under
+    traceback shows once, the other rank says whose it is (`hvdtrain.runtime.tracebacks`), under
     `hvdtrain-run` (MPI) and plain `horovodrun` (Gloo) and `mpirun`."""
     from conftest import BIN, job_env, launch_argv
 
@@ -292,7 +292,7 @@ def test_validation_on_one_rank_ends_the_job(tmp_path):
 
 def test_stall_settings():
     from hvdtrain.errors import HvdtrainError
-    from hvdtrain.runtime import stall_settings, stall_shutdown_seconds
+    from hvdtrain.runtime.process import stall_settings, stall_shutdown_seconds
 
     check, shutdown = "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
     ours = "HVDTRAIN_STALL_SHUTDOWN_SECONDS"
@@ -331,7 +331,7 @@ def _wait_for(condition, seconds=5.0):
 
 
 def test_watchdog_fires_without_beats_and_names_rank_and_activity():
-    from hvdtrain.watchdog import Watchdog
+    from hvdtrain.runtime.watchdog import Watchdog
 
     fired = []
     dog = Watchdog(0.3, rank=3, on_timeout=fired.append)
@@ -348,7 +348,7 @@ def test_watchdog_fires_without_beats_and_names_rank_and_activity():
 
 
 def test_watchdog_waits_twice_as_long_in_a_step_and_ten_times_on_hold():
-    from hvdtrain.watchdog import OTHER_RANKS, OWN_SETUP, Watchdog
+    from hvdtrain.runtime.watchdog import OTHER_RANKS, OWN_SETUP, Watchdog
 
     fired = []
     dog = Watchdog(0.3, rank=0, on_timeout=fired.append)
@@ -372,7 +372,7 @@ def test_watchdog_names_a_threads_own_work_before_the_waiting_step():
     """`watchdog.doing_in_thread` from another thread (tf.data's, running a user's data
     code): one timeout, while the training thread waits inside a step (two); named for it,
     then forgotten."""
-    from hvdtrain.watchdog import OTHER_RANKS, Watchdog, doing_in_thread
+    from hvdtrain.runtime.watchdog import OTHER_RANKS, Watchdog, doing_in_thread
 
     fired = []
     dog = Watchdog(0.3, rank=1, on_timeout=fired.append)
@@ -400,7 +400,7 @@ def test_watchdog_names_a_threads_own_work_before_the_waiting_step():
 def test_doing_tells_the_watchdog_started_last_while_it_runs():
     """The registry: `doing` and `doing_in_thread` tell the running watchdog started last
     in this process, nothing once it stopped; `last_activity` keeps what it last knew."""
-    from hvdtrain.watchdog import OWN_WORK, Watchdog, doing, doing_in_thread, last_activity
+    from hvdtrain.runtime.watchdog import OWN_WORK, Watchdog, doing, doing_in_thread, last_activity
 
     first, second = Watchdog(60, rank=0), Watchdog(60, rank=0)
     first.start("first started")
@@ -422,7 +422,7 @@ def test_doing_tells_the_watchdog_started_last_while_it_runs():
 @pytest.mark.parametrize("allowance", ["OWN_WORK", "OTHER_RANKS", "OWN_SETUP", "OTHER_RANKS_SETUP"])
 def test_each_allowance_is_its_number_of_timeouts(allowance):
     """1, 2, 10 and 12 timeouts; the two that wait for the other ranks say so."""
-    from hvdtrain import watchdog
+    from hvdtrain.runtime import watchdog
 
     waits_for = getattr(watchdog, allowance)
     assert waits_for.timeouts == {"OWN_WORK": 1, "OTHER_RANKS": 2, "OWN_SETUP": 10,
@@ -441,7 +441,7 @@ def test_each_allowance_is_its_number_of_timeouts(allowance):
 
 def test_watchdog_stops_and_checks_its_timeout():
     from hvdtrain.errors import HvdtrainError
-    from hvdtrain.watchdog import Watchdog
+    from hvdtrain.runtime.watchdog import Watchdog
 
     fired = []
     dog = Watchdog(0.2, rank=0, on_timeout=fired.append)
@@ -455,7 +455,7 @@ def test_watchdog_stops_and_checks_its_timeout():
 
 
 def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
-    from hvdtrain.callbacks import WatchdogCallback
+    from hvdtrain.recipe.callbacks import WatchdogCallback
 
     callback = WatchdogCallback()  # made before hvdtrain.init(): reads the time in fit
     monkeypatch.delenv("HVDTRAIN_STALL_SHUTDOWN_SECONDS", raising=False)
@@ -470,8 +470,8 @@ def test_watchdog_callback_follows_the_stall_setting(monkeypatch):
 
 
 def test_watchdog_callback_times_steps_after_the_first():
-    from hvdtrain import watchdog
-    from hvdtrain.callbacks import WatchdogCallback
+    from hvdtrain.recipe.callbacks import WatchdogCallback
+    from hvdtrain.runtime import watchdog
 
     fired = []
     cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)
@@ -497,7 +497,7 @@ def test_watchdog_callback_gives_the_first_validation_its_tracing_time():
     """An epoch's end runs the first validation, which traces and compiles its step: 10 x
     the time there, as for the first step (a loaded elastic job's rank 1 was ended there at
     1 x); the validations after it have 1 x."""
-    from hvdtrain.callbacks import WatchdogCallback
+    from hvdtrain.recipe.callbacks import WatchdogCallback
 
     fired = []
     cb = WatchdogCallback(0.3, rank=1, on_timeout=fired.append)

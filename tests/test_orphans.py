@@ -1,4 +1,4 @@
-"""The launcher's death ends the job (`hvdtrain.orphan`), and one job at a time holds a
+"""The launcher's death ends the job (`hvdtrain.runtime.orphan`), and one job at a time holds a
 checkpoint folder (`CheckpointManager.lock`): real launchers killed with SIGKILL."""
 
 import os
@@ -13,8 +13,8 @@ import uuid
 import pytest
 from conftest import BIN, job_env, launch_argv, start_job, worker
 
-from hvdtrain import orphan
 from hvdtrain.launcher.chaos import MARKER, complete_checkpoints, job_processes
+from hvdtrain.runtime import orphan
 
 MNIST = ["-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512"]
 
@@ -59,7 +59,7 @@ def test_the_chain_runs_up_to_the_outermost_launcher():
 def _lock_holder(folder):
     """A process of its own that holds `folder` as a job's rank 0 does."""
     code = (
-        "import sys, time; from hvdtrain.checkpoint import CheckpointManager; "
+        "import sys, time; from hvdtrain.recipe.checkpoint import CheckpointManager; "
         "CheckpointManager(sys.argv[1], None, None).check_writable(); print('held', flush=True); "
         "time.sleep(600)"
     )
@@ -72,8 +72,8 @@ def _lock_holder(folder):
 
 @pytest.mark.timeout(120)
 def test_a_folder_held_by_a_live_process_is_refused_and_freed_by_its_death(tmp_path):
-    from hvdtrain.checkpoint import CheckpointManager
     from hvdtrain.errors import HvdtrainError
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     folder = tmp_path / "ckpt"
     holder = _lock_holder(folder)

@@ -93,7 +93,7 @@ def test_a_workers_service_refuses_an_unsigned_request_in_one_line_counted(capfd
     20-line traceback (issue 51)."""
     from horovod.runner.common.util.network import BasicService
 
-    from hvdtrain.elastic import quiet_refusals
+    from hvdtrain.recipe.elastic import quiet_refusals
 
     quiet_refusals()
     made = BasicService("worker notification service", secret.make_secret_key(), None)

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import kill_job, launch_argv, run_job, run_until, start_job, worker
 
-from hvdtrain.resume import resume_step
+from hvdtrain.recipe.resume import resume_step
 
 BASE = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "2", "--limit-samples", "1024",
         "--checkpoint-every", "4"]  # fmt: skip
@@ -125,7 +125,7 @@ def test_resume_step_rule():
 
 SAVER = """
 import sys, tensorflow as tf
-from hvdtrain.checkpoint import CheckpointManager
+from hvdtrain.recipe.checkpoint import CheckpointManager
 model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(2048),
                              tf.keras.layers.Dense(10)])
 opt = tf.keras.optimizers.Adam()
@@ -140,7 +140,7 @@ for epoch in range(1, 10_000):
 def test_sigkill_during_checkpoint_writes_never_breaks_the_latest(tmp_path):
     import tensorflow as tf
 
-    from hvdtrain.checkpoint import CheckpointManager
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     for attempt in range(3):  # each kill lands at a different point of a write
         d = tmp_path / f"ckpt{attempt}"
@@ -161,8 +161,8 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
 
     import tensorflow as tf
 
-    from hvdtrain.checkpoint import CheckpointManager
     from hvdtrain.errors import HvdtrainError
+    from hvdtrain.recipe.checkpoint import CheckpointManager
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

@@ -1,4 +1,4 @@
-"""hvdtrain's performance defaults (`hvdtrain.tuning`): what is set when, and that the
+"""hvdtrain's performance defaults (`hvdtrain.runtime.tuning`): what is set when, and that the
 user's settings win. The measurements behind them are `python -m hvdtrain.bench`'s."""
 
 import contextlib
@@ -8,8 +8,8 @@ import threading
 import pytest
 from conftest import run_job
 
-from hvdtrain import tuning
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.runtime import tuning
 
 
 def test_compile_options_several_steps_per_call_at_most_an_epoch():

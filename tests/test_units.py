@@ -6,14 +6,14 @@ from hvdtrain.errors import HvdtrainError
 
 
 def test_gpu_for_local_rank_is_a_no_op_without_gpus():
-    from hvdtrain.runtime import gpu_for_local_rank
+    from hvdtrain.runtime.process import gpu_for_local_rank
 
     assert gpu_for_local_rank(0, 0) is None
     assert gpu_for_local_rank(3, 0, local_size=4) is None
 
 
 def test_gpu_for_local_rank_pins_one_gpu_per_local_rank():
-    from hvdtrain.runtime import gpu_for_local_rank
+    from hvdtrain.runtime.process import gpu_for_local_rank
 
     assert [gpu_for_local_rank(r, 4) for r in range(4)] == [0, 1, 2, 3]
     with pytest.raises(HvdtrainError, match="at most one process per GPU"):
@@ -25,7 +25,7 @@ def test_gpu_for_local_rank_pins_one_gpu_per_local_rank():
     [(2, 1, None, 2), (2, 2, None, 1), (16, 4, None, 4), (2, 4, None, 1), (16, 2, 1, 1)],
 )
 def test_threads_per_rank_splits_the_host(cpus, local_size, affinity, expected):
-    from hvdtrain.runtime import threads_per_rank
+    from hvdtrain.runtime.process import threads_per_rank
 
     assert threads_per_rank(cpus, local_size, affinity) == expected
 
@@ -43,7 +43,7 @@ def test_shard_indices_and_steps():
 
 
 def test_warmup_lr_starts_at_base_and_reaches_base_times_size():
-    from hvdtrain.rates import WarmupSchedule, scaled_lr, warmup_lr
+    from hvdtrain.optimizers.rates import WarmupSchedule, scaled_lr, warmup_lr
 
     assert scaled_lr(0.1, 4) == pytest.approx(0.4)
     assert warmup_lr(0, 0.1, 4, 100) == pytest.approx(0.1)
@@ -94,7 +94,7 @@ def test_importing_hvdtrain_does_not_import_tensorflow():
     ],
 )
 def test_a_keyword_of_keras_fit_given_to_hvdtrain_fit_says_where_it_goes(option, words):
-    from hvdtrain.flags import make_config
+    from hvdtrain.recipe.flags import make_config
 
     with pytest.raises(HvdtrainError, match=f"`option`: received '{option}'") as raised:
         make_config(None, epochs=2, **{option: 1})
@@ -125,7 +125,7 @@ def test_metrics_json_is_valid_json_whatever_the_numbers(tmp_path):
     import json
     import os
 
-    from hvdtrain.files import write_json
+    from hvdtrain.recipe.outputs import write_json
 
     path = write_json(tmp_path / "sub" / "m.json", {"loss": [1.0, float("nan")], "x": float("inf")})
 
@@ -140,7 +140,7 @@ def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, 
     """One process (Horovod of size 1): the download raises as Keras does offline; the
     fallback is used and the reason is shown whole, one line."""
     import hvdtrain
-    from hvdtrain.sources import choose_source
+    from hvdtrain.data.sources import choose_source
 
     monkeypatch.delenv("HVDTRAIN_OFFLINE", raising=False)
     hvdtrain.init(threads=1)
@@ -176,7 +176,7 @@ def test_a_failed_download_gives_its_whole_reason_on_one_line(tmp_path, capsys, 
     ],
 )
 def test_a_rank_that_failed_only_because_another_did_is_told_apart(text, expected):
-    from hvdtrain.errors import because_of_another_rank
+    from hvdtrain.runtime.uncaught import because_of_another_rank
 
     assert because_of_another_rank(text) == expected
 
@@ -187,7 +187,7 @@ def test_an_elastic_run_takes_a_dead_peers_transport_error_for_a_lost_worker():
     (test_customizing_fit.py's lost rank of an overlapped GAN, beside other jobs)."""
     import tensorflow as tf
 
-    from hvdtrain.elastic import _is_horovod_failure
+    from hvdtrain.recipe.elastic import _is_horovod_failure
 
     gloo = (
         "Graph execution error:\n[/tmp/tmp.fqedPvPHMD/horovod-0.28.1/third_party/compatible17_"
@@ -230,7 +230,7 @@ def test_a_failed_ranks_line_names_the_cause_of_a_tensorflow_op_error():
     assert cause.endswith("object has no attribute 'no_such_method'")
     # Its traceback holds TensorFlow's generated code, not the user's function; the message
     # names it, and so does the first line of a failed rank (a FileData parse function).
-    from hvdtrain.tracebacks import traced_frame
+    from hvdtrain.runtime.tracebacks import traced_frame
 
     frame = traced_frame(str(raised.value))
     assert frame.name == "step" and frame.filename == __file__ and frame.lineno > 0
@@ -263,9 +263,9 @@ def test_one_helper_makes_an_error_one_line_in_each_presentation():
 
 
 def test_the_hook_of_uncaught_errors_installs_once_and_knows_when_horovod_runs(tmp_path):
-    """`import hvdtrain` installs it, `hvdtrain.init()` tells it the rank (no second hook
-    chained on it): an error in the user's code names the function, the traceback, then
-    the rank's line; an HvdtrainError stays one line, exit 2."""
+    """`hvdtrain.init()` installs it and tells it the rank (no second hook chained on it):
+    an error in the user's code names the function, the traceback, then the rank's line; an
+    HvdtrainError stays one line, exit 2."""
     import subprocess
     import sys
 
@@ -273,11 +273,11 @@ def test_the_hook_of_uncaught_errors_installs_once_and_knows_when_horovod_runs(t
     script.write_text(
         "import sys\n"
         "import hvdtrain\n"
-        "from hvdtrain import errors\n"
+        "from hvdtrain.runtime import uncaught\n"
+        "uncaught.report_uncaught()\n"
         "hook = sys.excepthook\n"
-        "errors.report_uncaught()\n"
         "hvdtrain.init()\n"
-        "errors.report_uncaught()\n"
+        "uncaught.report_uncaught()\n"
         "print('one hook:', sys.excepthook is hook, flush=True)\n"
         "def load(path):\n"
         "    raise (hvdtrain.HvdtrainError if path == 'x' else ValueError)(f'no {path}')\n"
@@ -299,7 +299,7 @@ def test_the_hook_of_uncaught_errors_installs_once_and_knows_when_horovod_runs(t
 
 
 def test_gloo_hostname_problem_only_under_gloo_and_only_when_unresolvable():
-    from hvdtrain.runtime import gloo_hostname_problem
+    from hvdtrain.runtime.process import gloo_hostname_problem
 
     gloo = {"HOROVOD_CONTROLLER": "gloo"}
     assert gloo_hostname_problem({}, "nohost.invalid") is None  # MPI, or one process
@@ -324,7 +324,7 @@ def test_unbuffered_streams_write_whole_lines(monkeypatch):
     import io
     import sys
 
-    from hvdtrain import runtime
+    from hvdtrain.runtime import process
 
     class Raw(io.RawIOBase):
         writes = []
@@ -338,6 +338,6 @@ def test_unbuffered_streams_write_whole_lines(monkeypatch):
 
     stream = io.TextIOWrapper(io.BufferedWriter(Raw(), 1), write_through=True)
     monkeypatch.setattr(sys, "__stdout__", stream)
-    runtime._whole_lines()
+    process._whole_lines()
     print("rank", 1, "says", "hello", file=stream)
     assert Raw.writes == [b"rank 1 says hello\n"]

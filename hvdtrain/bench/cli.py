@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 
-from hvdtrain import tuning
 from hvdtrain.bench import project as project_mod
 from hvdtrain.bench import render, report
 from hvdtrain.bench.runner import INDEPENDENT, PACKAGE_ROOT, Run, execute, quiet_wait
-from hvdtrain.compat import LEGACY_KERAS, legacy_keras_needed
 from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
-from hvdtrain.flags import ArgumentParser
+from hvdtrain.recipe.flags import ArgumentParser
+from hvdtrain.runtime import tuning
+from hvdtrain.runtime.compat import LEGACY_KERAS, legacy_keras_needed
 
 __all__ = ["main", "parse_args", "plan_runs", "TUNING", "SWEEP_SIZES", "QUICK_SWEEP_SIZES"]
 
@@ -39,7 +39,7 @@ STEPS = "mlp=256,convnet=16"
 QUICK_STEPS = "mlp=32,convnet=4"
 JOB_TIMEOUT = 900  # seconds a job may take
 
-# The tuning experiments behind hvdtrain's defaults (`hvdtrain.tuning`): each runs the
+# The tuning experiments behind hvdtrain's defaults (`hvdtrain.runtime.tuning`): each runs the
 # hvdtrain variant with one knob set and every other at hvdtrain's default, on the MLP at
 # batch 64 (the communication-bound case) unless it says otherwise. Fields: knob, setting,
 # np (0 = N), backend, env, worker args, model.
@@ -201,7 +201,7 @@ def _other_python(path):
     found = os.path.abspath(found)
     if not os.path.isfile(os.path.join(os.path.dirname(found), "horovodrun")):
         raise invalid_value("--compare-python", path, expected)
-    code = "from hvdtrain.compat import tensorflow_version as v; print(v())"
+    code = "from hvdtrain.runtime.compat import tensorflow_version as v; print(v())"
     env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT}
     try:
         proc = subprocess.run(

@@ -131,20 +131,22 @@ def _overlapped_cpu(model, opt, every, step):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
+    from hvdtrain.data.shares import EqualShares
     from hvdtrain.exchange import for_config
-    from hvdtrain.flags import make_config
+    from hvdtrain.recipe.flags import make_config
 
     cfg = make_config(sync="local", sync_every=every, sync_warmup_steps=0, sync_overlap=True)
     rounds = for_config(cfg)
+    rounds.configure(None, every, EqualShares())
     rounds.attach(model, [opt])
     rounds.begin(step, 0)
     cpu = []
     for k in range(TOGETHER + 5):  # the first 5: tracing
         hvd.allreduce(tf.constant(0.0), name="floor.barrier").numpy()
         used = time.process_time()
-        rounds.step += 1
+        rounds.replica.step += 1
         rounds.now()
-        rounds.pending.result()
+        rounds.averager.wait()
         if k >= 5:
             cpu.append(time.process_time() - used)
     rounds.now(whole=True)
@@ -238,7 +240,7 @@ def _worker(exchange, model_name, batch, calls):
         tf.config.threading.set_inter_op_parallelism_threads(1)
         rank, size = 0, 1
         if exchange != "none":
-            from hvdtrain import tuning
+            from hvdtrain.runtime import tuning
 
             os.environ.update(tuning.horovod_settings(os.environ))  # MPI waits yield, as hvdtrain's
             from mpi4py import MPI
@@ -304,11 +306,13 @@ def _worker(exchange, model_name, batch, calls):
     if exchange == "horovod" or local:
         hvd.broadcast_variables(variables, 0)
     if local:
+        from hvdtrain.data.shares import EqualShares
         from hvdtrain.exchange import for_config
-        from hvdtrain.flags import make_config
+        from hvdtrain.recipe.flags import make_config
 
         opt.build(variables)
         exchanges = for_config(make_config(sync="local", sync_every=local, sync_warmup_steps=0))
+        exchanges.configure(None, per_call, EqualShares())
         exchanges.attach(model, [opt])
         exchanges.begin(0, 0)
     done = 0
@@ -318,7 +322,7 @@ def _worker(exchange, model_name, batch, calls):
         loss = steps(tf.constant(k * per_call), tf.constant(per_call))
         done += per_call
         if exchanges is not None and done % local == 0:
-            exchanges.step = done
+            exchanges.replica.step = done
             loss.numpy()  # the steps done: the exchange's own time, apart
             start = time.perf_counter()
             exchanges.now()

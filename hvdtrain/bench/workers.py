@@ -42,7 +42,8 @@ import statistics
 import sys
 import time
 
-from hvdtrain.tuning import bind_to_cores
+from hvdtrain.launcher.gpu import BENCH_MARKER
+from hvdtrain.runtime.tuning import bind_to_cores
 
 __all__ = [
     "main",
@@ -53,7 +54,7 @@ __all__ = [
     "MARKER",
 ]
 
-MARKER = "@@hvdbench "
+MARKER = BENCH_MARKER  # the line each worker prints its result on (`hvdtrain-run doctor` reads it)
 SAMPLES = 8192  # synthetic samples, the same on every rank and variant
 CPU_MARKER = "@@hvdbench-cpu "  # every rank: its CPU seconds per window, and by thread
 THREAD_GROUPS = ("main", "tensorflow", "horovod", "other")
@@ -436,7 +437,7 @@ def main(argv=None):
                 steps = _steps_for(args.steps, model_name)
                 runs = [("", None)]
                 if variant == "keras":  # plain, then with hvdtrain's compile options
-                    from hvdtrain.tuning import compile_options
+                    from hvdtrain.runtime.tuning import compile_options
 
                     same = compile_options(steps)
                     if args.steps_per_execution:

@@ -15,8 +15,8 @@ import os
 import re
 import traceback
 
-from hvdtrain import compat
 from hvdtrain.errors import HvdtrainError, invalid_value, one_line
+from hvdtrain.runtime import compat
 
 __all__ = ["for_model", "owner", "loaded", "mixed_keras", "add_keras_flag", "keras_module"]
 

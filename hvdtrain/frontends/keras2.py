@@ -4,10 +4,10 @@
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from hvdtrain import compat
 from hvdtrain.errors import invalid_value
-from hvdtrain.gate import gated
-from hvdtrain.rates import WarmupSchedule, applying, class_attribute, single_worker_lr
+from hvdtrain.optimizers.hooks import applying, attach_hooks, class_attribute, gated, hooks_of
+from hvdtrain.optimizers.rates import WarmupSchedule, single_worker_lr
+from hvdtrain.runtime import compat
 
 __all__ = [
     "NAME",
@@ -93,7 +93,7 @@ def _averaging_where_applied(made):
     `optimizer.apply_gradients`, as the Keras guides write GANs and VAEs) never calls it, and
     each rank applied its own gradients: the ranks drifted apart, silently. Here
     `apply_gradients` averages the gradients it is given unless `compute_gradients` did in
-    the same step (`_hvdtrain_reduced`, set while the step is traced or run). Its class is
+    the same step (its hooks' `reduced`, set while the step is traced or run). Its class is
     Horovod's with those methods and `learning_rate` (`single_worker_lr`) replaced, made from
     the same namespace as Horovod makes it: a subclass would recurse, Horovod's methods
     calling `super(self.__class__, self)`."""
@@ -102,38 +102,33 @@ def _averaging_where_applied(made):
     reduce, apply = namespace["_allreduce"], namespace["apply_gradients"]
 
     def _allreduce(self, grads, variables):
-        self._hvdtrain_reduced = True
-        if self._hvdtrain_gate is None:
+        hooks = hooks_of(self)
+        hooks.reduced = True
+        if hooks.gate is None:
             return reduce(self, grads, variables)
         # `--sync local/diloco`: averaged in the synchronous warmup only (`hvdtrain.exchange`)
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         kept = [v for _, v in pairs]
-        return gated(self._hvdtrain_gate, lambda gs: reduce(self, gs, kept), grads)
+        return gated(hooks.gate, lambda gs: reduce(self, gs, kept), grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        hooks = hooks_of(self)
         try:
-            if not self._hvdtrain_reduced:
+            if not hooks.reduced:
                 pairs = list(grads_and_vars)
                 variables = [v for _, v in pairs]
                 grads = self._allreduce([g for g, _ in pairs], variables)
                 grads_and_vars = list(zip(grads, variables, strict=True))
             return apply(self, grads_and_vars, *args, **kwargs)
         finally:
-            self._hvdtrain_reduced = False
+            hooks.reduced = False
 
-    namespace.update(
-        _allreduce=_allreduce,
-        apply_gradients=applying(apply_gradients),
-        _hvdtrain_reduced=False,
-        _hvdtrain_gate=None,
-        _hvdtrain_applying=False,
-        _hvdtrain_single_worker=False,
-    )
+    namespace.update(_allreduce=_allreduce, apply_gradients=applying(apply_gradients))
     keras_lr = class_attribute(horovod, "learning_rate")
     if isinstance(keras_lr, property):  # (legacy optimizers keep theirs)
         namespace["learning_rate"] = single_worker_lr(keras_lr)
     object.__setattr__(made, "__class__", type(horovod.__name__, horovod.__bases__, namespace))
-    return made
+    return attach_hooks(made)
 
 
 def owns(model):
@@ -153,7 +148,7 @@ def compiled(model):
     return config, opt
 
 
-# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them), and what
+# What `hvdtrain.recipe.prepare` takes for an optimizer (the loss-scale one among them), and what
 # it refuses of them (the legacy ones have no `build`: their slots cannot exist before the
 # first step, for the broadcast and the restore).
 OPTIMIZER_TYPES = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
@@ -238,15 +233,17 @@ _AGREED = {}  # Keras's loss-scale class -> the subclass that averages before de
 
 def _agreed_apply_gradients(self, grads_and_vars, *args, **kwargs):
     inner = self.inner_optimizer
+    hooks = hooks_of(inner)
     try:
-        if getattr(inner, "_hvdtrain_reduced", True) is False:  # not averaged yet
+        if hooks is not None and not hooks.reduced:  # not averaged yet
             pairs = list(grads_and_vars)
             variables = [v for _, v in pairs]
             grads = inner._allreduce([g for g, _ in pairs], variables)
             grads_and_vars = list(zip(grads, variables, strict=True))
         return self._keras_class.apply_gradients(self, grads_and_vars, *args, **kwargs)
     finally:
-        inner._hvdtrain_reduced = False
+        if hooks is not None:
+            hooks.reduced = False
 
 
 def current_loss_scale(opt):

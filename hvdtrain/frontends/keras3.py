@@ -11,9 +11,9 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from hvdtrain import rates
 from hvdtrain.errors import HvdtrainError, invalid_value
-from hvdtrain.gate import gated
+from hvdtrain.optimizers import rates
+from hvdtrain.optimizers.hooks import applying, attach_hooks, class_attribute, gated, hooks_of
 
 __all__ = [
     "NAME",
@@ -90,7 +90,7 @@ def compiled(model):
     return config, opt
 
 
-# What `hvdtrain.prepare` takes for an optimizer (the loss-scale one among them).
+# What `hvdtrain.recipe.prepare` takes for an optimizer (the loss-scale one among them).
 OPTIMIZER_TYPES = (keras.optimizers.Optimizer,)
 LEGACY_OPTIMIZERS = ()  # (Keras 3 has none)
 
@@ -146,7 +146,7 @@ WarmupSchedule = rates.keras3_schedule()  # of both Keras; registered with both
 
 
 def is_distributed(opt):
-    return getattr(opt, "_hvdtrain_distributed", False)
+    return hooks_of(opt) is not None
 
 
 def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=1):
@@ -185,16 +185,16 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
     def build(self, variables):
         cls.build(self, variables)
         if passes > 1:  # in a plain holder: Keras would track (checkpoint) a list
-            self._hvdtrain_sums = _Sums(variables)
+            self._gradient_sums = _Sums(variables)
 
     def apply(self, grads, trainable_variables=None):
         if passes == 1:  # (--sync local/diloco: averaged in their warmup only)
-            grads = gated(self._hvdtrain_gate, average, grads)
+            grads = gated(hooks_of(self).gate, average, grads)
             return cls.apply(self, grads, trainable_variables)
         variables = trainable_variables or self._trainable_variables
         if not self.built:
             self.build(variables)
-        sums = [self._hvdtrain_sums.of(v) for v in variables]
+        sums = [self._gradient_sums.of(v) for v in variables]
         grads = [
             tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
             for g, v in zip(grads, variables, strict=True)
@@ -216,22 +216,18 @@ def distributed_optimizer(optimizer, compression=None, backward_passes_per_step=
         last = tf.equal((self.iterations + 1) % passes, 0)
         return tf.cond(last, update, add)
 
-    keras_lr = rates.class_attribute(cls, "learning_rate")
+    keras_lr = class_attribute(cls, "learning_rate")
     distributed = type(
         f"Distributed{cls.__name__}",
         (cls,),
         {
-            "apply": rates.applying(apply),
+            "apply": applying(apply),
             "build": build,
             "learning_rate": rates.single_worker_lr(keras_lr),
-            "_hvdtrain_applying": False,
-            "_hvdtrain_single_worker": False,
-            "_hvdtrain_distributed": True,
-            "_hvdtrain_gate": None,
             "__module__": __name__,
         },
     )
-    return distributed.from_config(optimizer.get_config())
+    return attach_hooks(distributed.from_config(optimizer.get_config()))
 
 
 class _Sums:
@@ -254,14 +250,14 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
     distributed optimizer, whose allreduce comes before the check). A skipped step counts in
     `iterations`, as on Keras 2."""
 
-    _hvdtrain_scaled = False  # scale_loss was called for the gradients `apply` gets
+    _loss_scaled = False  # scale_loss was called for the gradients `apply` gets
 
     def build(self, var_list):
         if not self.built:  # Keras's makes new scale variables at every call: a scale
             super().build(var_list)  # restored from a checkpoint was replaced by the initial
 
     def scale_loss(self, loss):
-        self._hvdtrain_scaled = True  # (while the step is traced, or run eagerly)
+        self._loss_scaled = True  # (while the step is traced, or run eagerly)
         return super().scale_loss(loss)
 
     def apply(self, grads, trainable_variables=None):
@@ -269,11 +265,11 @@ class _AgreedLossScale(keras.optimizers.LossScaleOptimizer):
         # GANs never call scale_loss) gives gradients as they are, which Keras would divide
         # by the scale (2**15): the model would barely train, silently. Scaled here, so
         # that they are applied as given; the finite check still skips overflowing steps.
-        if not self._hvdtrain_scaled:
+        if not self._loss_scaled:
             if not self.built:
                 self.build(trainable_variables or self._trainable_variables)
             grads = [None if g is None else g * tf.cast(self.dynamic_scale, g.dtype) for g in grads]
-        self._hvdtrain_scaled = False
+        self._loss_scaled = False
         return super().apply(grads, trainable_variables)
 
     def _stateful_handle_non_finite_grads(self):

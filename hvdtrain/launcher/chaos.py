@@ -17,7 +17,7 @@ The faults (`--kinds`, default all that this machine allows):
 
     kill-rank           SIGKILL of one rank (a crash, the out-of-memory killer)
     kill-launcher       SIGKILL of hvdtrain-run (a scheduler's hard kill): the ranks end
-                        within a second (`hvdtrain.orphan`)
+                        within a second (`hvdtrain.runtime.orphan`)
     term-launcher       SIGTERM of hvdtrain-run (a scheduler's preemption)
     stop-rank           SIGSTOP of one rank: the stall time ends the job (--stall-seconds,
                         default 20, set as HVDTRAIN_STALL_SHUTDOWN_SECONDS)
@@ -172,7 +172,7 @@ def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase
     """The seconds within which every process of the job has ended after a fault of `kind`
     (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
     10 s later); a launcher killed outright leaves ranks that end within a second
-    (`hvdtrain.orphan`); a stopped rank ends the job after twice the `stall` time at most
+    (`hvdtrain.runtime.orphan`); a stopped rank ends the job after twice the `stall` time at most
     (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
     `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
     next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for

@@ -53,14 +53,12 @@ import shutil
 import socket
 import sys
 
-from hvdtrain import orphan
 from hvdtrain.errors import (
     HostUnreachable,
     HvdtrainError,
     exit_with_error,
     invalid_value,
 )
-from hvdtrain.flags import ArgumentParser
 from hvdtrain.launcher import chaos, doctor, elastic, failures, gpu, kubernetes
 from hvdtrain.launcher.commands import (
     BACKENDS,
@@ -84,6 +82,8 @@ from hvdtrain.launcher.hosts import (
 )
 from hvdtrain.launcher.slurm import detect_allocation
 from hvdtrain.launcher.supervise import PROG, run_command
+from hvdtrain.recipe.flags import ArgumentParser
+from hvdtrain.runtime import orphan
 
 __all__ = ["main", "parse_args", "make_config", "resolve_hosts", "run_command", "k8s_main"]
 

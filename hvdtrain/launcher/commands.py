@@ -18,9 +18,10 @@ transports (`-mca pml ob1 -mca btl ^openib`; pass `--mpi-args` for UCX/InfiniBan
 `-x NAME` for every variable the ranks need that is set here: PATH, LD_LIBRARY_PATH,
 PYTHONPATH, VIRTUAL_ENV, PYTHONUNBUFFERED and all HOROVOD_*, HVDTRAIN_*, NCCL_*, TF_*
 (never Horovod's private `_HOROVOD_SECRET_KEY`). Horovod tunables become horovodrun flags
-or HOROVOD_* variables (`TUNABLES`). With TensorFlow >= 2.16 every backend sets
-`TF_USE_LEGACY_KERAS=1` for the ranks unless the environment sets it (`RANK_ENV`: Keras 2
-for tf.keras; plain mpirun gets it as `-x`, since across hosts it forwards nothing else).
+or HOROVOD_* variables (`TUNABLES`). Every backend sets `TF_CPP_MIN_LOG_LEVEL=2` for the
+ranks unless the environment sets it (`RANK_ENV`: TensorFlow's start-up lines off), and with
+TensorFlow >= 2.16 `TF_USE_LEGACY_KERAS=1` (`KERAS2_ENV`: Keras 2 for tf.keras); plain
+mpirun gets them as `-x`, since across hosts it forwards nothing else.
 
 The directory of the launching Python (the virtualenv's bin) is put first on PATH, so
 `python` in the command is the launcher's Python on every rank, as after `source activate`.
@@ -36,9 +37,9 @@ import shlex
 import shutil
 from dataclasses import dataclass, field
 
-from hvdtrain.compat import legacy_keras_needed, tensorflow_version
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.launcher.hosts import format_hosts
+from hvdtrain.runtime.compat import legacy_keras_needed, tensorflow_version
 
 __all__ = [
     "BACKENDS",
@@ -65,9 +66,12 @@ __all__ = [
 
 BACKENDS = ("gloo", "mpi", "mpirun", "srun")
 # What every rank needs whatever the user's environment says (`LaunchConfig.keras2`): Keras 2
-# for tf.keras from TensorFlow 2.16 on (Horovod has no Keras 3 path; see `hvdtrain.compat`).
+# for tf.keras from TensorFlow 2.16 on (Horovod has no Keras 3 path; see `hvdtrain.runtime.compat`).
 # A value the user set wins, so that a wrong one fails with hvdtrain's clear error.
-RANK_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+KERAS2_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+# What every rank gets unless the environment sets it: TensorFlow's INFO and WARNING lines
+# off (set TF_CPP_MIN_LOG_LEVEL=0 to see them); its errors still show.
+RANK_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
 EXPORTED_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "NCCL_", "TF_")
 _SECRET = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -191,8 +195,8 @@ def _exports_env(config):
 
 
 def _rank_env(config, environ):
-    """`RANK_ENV`'s variables that `environ` does not set already (none unless `keras2`)."""
-    wanted = RANK_ENV if config.keras2 else {}
+    """`RANK_ENV`'s variables, and `KERAS2_ENV`'s with `keras2`, that `environ` does not set."""
+    wanted = {**RANK_ENV, **(KERAS2_ENV if config.keras2 else {})}
     return {name: value for name, value in wanted.items() if name not in environ}
 
 

@@ -33,8 +33,8 @@ import json
 import shlex
 import subprocess
 
-from hvdtrain.compat import keras_problem
 from hvdtrain.launcher.hosts import is_local
+from hvdtrain.runtime.compat import keras_problem
 
 __all__ = [
     "PROBE",

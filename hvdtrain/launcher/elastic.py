@@ -2,7 +2,7 @@
 hosts join (`horovodrun --gloo --min-np --max-np --host-discovery-script`; Gloo only).
 
 The command every rank runs must train under `hvd.elastic.run` (`python -m hvdtrain.mnist
---elastic`, see `hvdtrain.elastic`). The hosts come from a discovery script, which prints the
+--elastic`, see `hvdtrain.recipe.elastic`). The hosts come from a discovery script, which prints the
 hosts available now, one `host:slots` per line; Horovod runs it every second::
 
     hvdtrain-run --elastic --min-np 1 --max-np 4 --host-discovery-script ./discover.sh \\

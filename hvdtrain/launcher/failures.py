@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from hvdtrain.errors import invalid_value
-from hvdtrain.startup import is_startup_noise
-from hvdtrain.tracebacks import same_text
-from hvdtrain.watchdog import stalls, without_marker
+from hvdtrain.launcher.noise import is_startup_noise
+from hvdtrain.runtime.tracebacks import same_text
+from hvdtrain.runtime.watchdog import stalls, without_marker
 
 __all__ = [
     "Failure",
@@ -192,13 +192,13 @@ class _Repeats:
 
 class OutputFilter:
     """Passes the launcher's stderr through line by line, minus horovodrun's traceback
-    after a failed rank and the marker of a watchdog's line (`hvdtrain.watchdog`), and
+    after a failed rank and the marker of a watchdog's line (`hvdtrain.runtime.watchdog`), and
     keeps the recent lines, as they came, for `find_failure`.
 
     `elastic`: the job is elastic (horovodrun `--log-level INFO`): the driver's INFO lines
     are left out, but the one saying it blacklists a host becomes a line of hvdtrain-run's
     (`blacklisted`), with `cooldown` the (min, max) seconds it stays out, None for good.
-    `quiet`: TensorFlow's start-up noise is left out (`hvdtrain.startup`: from horovodrun's
+    `quiet`: TensorFlow's start-up noise is left out (`hvdtrain.launcher.noise`: from horovodrun's
     own build checks, and from ranks that import TensorFlow before hvdtrain)."""
 
     def __init__(self, elastic=False, cooldown=None, quiet=True):

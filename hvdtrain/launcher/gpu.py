@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 MARKER = "HVDTRAIN_GPU "
+# The line a benchmark worker prints its result on (`python -m hvdtrain.bench.allreduce`, which
+# the sweep runs): its one owner, which `hvdtrain.bench.workers` takes.
+BENCH_MARKER = "@@hvdbench "
 GPU_QUERY = (
     "index,name,driver_version,pci.bus_id,memory.total,pcie.link.gen.max,pcie.link.width.max"
 )
@@ -357,8 +360,6 @@ def _mnist(launch, python, timeout):
 
 def _sweep(launch, python, sizes, timeout):
     """(results, NCCL transports, problem)."""
-    from hvdtrain.bench.workers import MARKER as BENCH_MARKER
-
     command = [python, "-m", "hvdtrain.bench.allreduce", "--sizes", ",".join(map(str, sizes))]
     env = ["-x", "NCCL_DEBUG=INFO", "-x", "HVDBENCH_BIND=none"]  # no core binding: NCCL's threads
     code, out = _run(launch + env + ["--"] + command, timeout)

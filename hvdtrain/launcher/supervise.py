@@ -17,10 +17,10 @@ import time
 
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
-from hvdtrain.orphan import process_stat
-from hvdtrain.stall import stall_shutdown_seconds
-from hvdtrain.startup import noise_unwanted
-from hvdtrain.watchdog import without_marker
+from hvdtrain.launcher.noise import noise_unwanted
+from hvdtrain.runtime.orphan import process_stat
+from hvdtrain.runtime.stall import stall_shutdown_seconds
+from hvdtrain.runtime.watchdog import without_marker
 
 __all__ = ["PROG", "run_command"]
 

@@ -1,4 +1,4 @@
-"""One process, no launcher: the Horovod 0.28.1 elastic pitfalls that hvdtrain.elastic works
+"""One process, no launcher: the Horovod 0.28.1 elastic pitfalls that hvdtrain.recipe.elastic works
 around, each shown with Horovod's own piece and with hvdtrain's. Writes one JSON.
 
 HOROVOD_CONTROLLER=gloo HOROVOD_CPU_OPERATIONS=gloo python tests/workers/elastic_checks.py OUT.json
@@ -12,7 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
-from hvdtrain import elastic, rates
+from hvdtrain.optimizers import rates
+from hvdtrain.recipe import elastic
 
 out = {}
 hvdtrain.init(threads=1)
@@ -44,7 +45,7 @@ for how in ("schedule_given", "repointed", "hvdtrain"):
     schedule = hvdtrain.WarmupSchedule(0.01, 2, 0)
     optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(schedule))
     if how != "schedule_given":
-        optimizer.learning_rate = schedule  # what hvdtrain.elastic does
+        optimizer.learning_rate = schedule  # what hvdtrain.recipe.elastic does
     model = one_weight_model(optimizer)
     first = step_size(model)
     if how == "hvdtrain":

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
-from hvdtrain.agreement import weights_checksums
+from hvdtrain.recipe.agreement import weights_checksums
 
 SAMPLES, FEATURES, CLASSES = 320, 12, 4
 

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 import hvdtrain
 from hvdtrain import exchange
-from hvdtrain.flags import make_config
+from hvdtrain.data.shares import EqualShares
+from hvdtrain.recipe.flags import make_config
 
 LR = 0.1
 TARGETS = np.array([[1.0, -2.0, 0.5], [-3.0, 4.0, 2.0]], "float32")  # rank 0's, rank 1's
@@ -49,6 +50,7 @@ def main():
         **({k: v for k, v in options.items() if v is not None} if args.sync == "diloco" else {}),
     )
     ex = exchange.for_config(cfg)
+    ex.configure(None, 1, EqualShares())
     ex.attach(model, [tf.keras.optimizers.SGD(LR)])
     ex.begin(0, 0)
     trace = []

@@ -103,7 +103,7 @@ def build():
 x = np.ones((256, 4), "float32")
 if where == "raise-early":  # before hvd.init(): the rank and size from the launcher
     from hvdtrain.errors import env_rank
-    from hvdtrain.tuning import launcher_size
+    from hvdtrain.runtime.tuning import launcher_size
 
     wait_for_every_rank_to_print(env_rank(), launcher_size(os.environ) or 1)
     check_labels([])

@@ -1,0 +1,279 @@
+"""`Rounds`: H local steps between exchanges of weights, what `--sync local` and `--sync
+diloco` share. Its mode (`LocalSGD`, `DiLoCo`) says what an exchange does with the ranks'
+mean change; its averager (`Blocking`, `InFlight`) how the mean is made.
+
+- **Gradients.** The model's distributed optimizers average their gradients during the
+  synchronous warmup (`--sync-warmup-steps`; the mode gives the default), then stop: a
+  `tf.cond` on one variable (`hvdtrain.optimizers.hooks.Gate`) skips the allreduce, and
+  each rank steps on its own batch at the synchronous run's learning rate (x ranks).
+- **Exchanges.** After every H-th step of an epoch (H = `--sync-every`; where the epoch's
+  sharing says under `--sync-balance`), at each epoch's end, before a mid-epoch checkpoint
+  and when training stops, the ranks average their changes since the last exchange (the
+  anchor minus the weights; float16 on the wire with `--fp16-allreduce`) and their other
+  float state (BatchNorm's statistics).
+- **The optimizers' own state** (Adam's moments) stays each rank's own between exchanges, as
+  in both papers, and is averaged only at whole exchanges (`now(whole=True)`: epoch ends,
+  checkpoints, the end), so rank 0's checkpoint is the whole state and a resume is exact.
+- **Between exchanges** the ranks differ by design: the check that they agree runs after the
+  run's first exchange and at whole exchanges; an elastic run commits where the ranks agree
+  (`ready_to_commit`).
+"""
+
+import contextlib
+import time
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvdtrain.exchange import wire
+from hvdtrain.exchange.callback import ExchangeCallback
+from hvdtrain.optimizers.hooks import Gate, set_gate
+from hvdtrain.runtime import watchdog
+
+__all__ = [
+    "Rounds",
+    "Replica",
+    "Tally",
+    "waiting",
+    "weighted",
+    "exchange_due",
+    "fitting_steps_per_execution",
+]
+
+
+def exchange_due(step_in_epoch, steps_per_epoch, every):
+    """True where an exchange falls: every `every`-th step of an epoch, and its last."""
+    return step_in_epoch % every == 0 or step_in_epoch >= steps_per_epoch
+
+
+def fitting_steps_per_execution(default, every):
+    """The largest number of steps per execution up to `default` that divides `every` (the
+    ranks exchange at an execution's end)."""
+    return max(d for d in range(1, min(default, every) + 1) if every % d == 0)
+
+
+class Replica:
+    """This rank's model as an exchange moves it, and where it stands.
+
+    `weights`: the trainable variables; `state`: the model's other float variables
+    (BatchNorm's statistics: averaged at every exchange); `opt_state`: the optimizers' float
+    state (averaged at whole exchanges only); `anchor`: the weights where the ranks last
+    agreed. `step` is the global step now, `agreed` the step where the ranks' models last
+    agreed, `agreed_whole` where their optimizers did too."""
+
+    def __init__(self, model, optimizers, compression):
+        self.weights = wire.tf_variables(model.trainable_variables)
+        self.state = [
+            v for v in wire.tf_variables(model.non_trainable_variables) if v.dtype.is_floating
+        ]
+        self.opt_state = [v for opt in optimizers for v in wire.slot_variables(opt)]
+        self.anchor = [tf.Variable(v, trainable=False) for v in self.weights]
+        self.compression = compression
+        self.step = self.agreed = self.agreed_whole = 0
+
+    def in_agreement(self):
+        return self.agreed == self.step
+
+    def mean(self, tensor, name):
+        """The ranks' mean of `tensor` (compressed on the wire as asked)."""
+        return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
+
+    def average_state(self):
+        """The BatchNorm statistics set to the ranks' mean; their bytes on the wire."""
+        wire.average_variables(self.state, "hvdtrain.exchange.state")
+        return wire.wire_bytes(self.state)
+
+
+class Tally:
+    """This process's exchanges since the run began: how many, their bytes on the wire, and
+    the seconds the steps waited for them."""
+
+    def __init__(self):
+        self.exchanges = self.bytes = 0
+        self.waited = 0.0
+
+
+@contextlib.contextmanager
+def waiting(tally, name):
+    """A block of an exchange that the steps wait for: told to the watchdog (the other ranks
+    are awaited), its seconds counted in `tally.waited`."""
+    watchdog.doing(f"exchanging weights with the other ranks ({name})", watchdog.OTHER_RANKS)
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        tally.waited += time.perf_counter() - began
+
+
+def weighted(changes, weight):
+    """`changes` x `weight` (a float32 scalar tensor: this rank's share of the round's steps,
+    `--sync-balance`), or as they are where `weight` is None (equal shares)."""
+    return changes if weight is None else [wire.weighted(c, weight) for c in changes]
+
+
+class Rounds:
+    """The `Exchange` of `--sync local` and `--sync diloco` (see the module).
+
+    Args:
+        cfg: the run's `TrainConfig`.
+        mode: what an exchange does with the ranks' mean change (`LocalSGD`, `DiLoCo`).
+        averager: how the mean is made (`Blocking`, `InFlight`).
+    """
+
+    exchanges_rarely = True  # the ranks meet every H steps: a longer Horovod cycle
+
+    def __init__(self, cfg, mode, averager):
+        self.cfg, self.mode, self.averager = cfg, mode, averager
+        self.every = cfg.exchange_every
+        self.warmup_flag = cfg.sync_warmup_steps
+        self.compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+        # By `attach`: a variable made here (before `hvdtrain.init`) would start TensorFlow
+        # with its default threads on every rank.
+        self.gate = self.replica = None
+        self.optimizers = []
+        self.tally = Tally()
+        self.sharing = None  # the epochs' sharing (`hvdtrain.data.shares`), by `configure`
+        self.unit = 1  # steps per execution: exchanges fall at an execution's end
+        self.warmup = 0  # synchronous steps first, by `begin`
+        self.syncing = True  # the gate's value, mirrored: no read of the variable per call
+        self.at_point = False  # whether the last execution ended at an exchange point
+        self.weight = None  # this round's change x this in the ranks' mean (its share)
+
+    # -- the Exchange interface ------------------------------------------------------------
+    def configure(self, policy, steps_per_execution, sharing):
+        if policy == "mixed_float16":  # --mixed-precision auto on a GPU
+            raise self.cfg.float16_refused()
+        self.sharing = sharing
+        default = sharing.execution_steps(steps_per_execution, self.every)
+        self.unit = fitting_steps_per_execution(default, self.every)
+        return self.unit
+
+    def attach(self, model, optimizers):
+        self.optimizers = list(optimizers)
+        self.gate = Gate()
+        for opt in self.optimizers:
+            set_gate(opt, self.gate)
+        self.replica = Replica(model, self.optimizers, self.compression)
+        self.mode.attach(self.replica)
+        self.averager.attach(self.replica, self.mode, self.tally)
+        return self.mode.holders()
+
+    def begin(self, start_step, lr_warmup_steps):
+        flag = self.warmup_flag
+        self.warmup = flag if flag is not None else self.mode.default_warmup(lr_warmup_steps)
+        self.syncing = start_step < self.warmup
+        self.gate.on.assign(self.syncing)
+        r = self.replica
+        r.step = r.agreed = r.agreed_whole = start_step
+        self.mode.begin(hvd.size())  # (an elastic reset: the ranks may be more or fewer)
+        self.averager.begin()
+        self.sharing.plan(self.every, self.unit, self.warmup)
+
+    def callbacks(self, steps_per_epoch, start_step, check):
+        return [ExchangeCallback(self, steps_per_epoch, start_step, check)]
+
+    def stop_agreed(self, mine, agree):
+        """In the synchronous warmup at every execution; then as the averager says (at the
+        exchange points only: a collective between them would hold the ranks in step)."""
+        if self.syncing:
+            return agree(mine)
+        return self.averager.stop_agreed(mine, agree, self.at_point)
+
+    def before_checkpoint(self):
+        self.now(whole=True)
+
+    def ready_to_commit(self):
+        return self.averager.ready_to_commit(lambda: self.now(whole=True))
+
+    def describe(self):
+        out = f"{self.mode.name} every {self.every} steps"
+        if self.warmup:
+            out += f" after {self.warmup} synchronous"
+        if self.sharing.per_epoch:
+            out += ", balanced by speed"
+        return out + self.mode.describe() + self.averager.describe()
+
+    def summary(self):
+        return {
+            "mode": self.mode.sync,
+            "every": self.every,
+            "balance": self.sharing.per_epoch,
+            "warmup_steps": self.warmup,
+            **self.mode.summary(),
+            "fp16": self.compression is hvd.Compression.fp16,
+            "overlap": self.averager.overlap,
+            "exchanges": self.tally.exchanges,
+            "bytes_per_exchange": self.averager.per_exchange,
+            "bytes_sent": self.tally.bytes,
+            "waited_seconds": round(self.tally.waited, 4),
+            **self.averager.figures(),
+        }
+
+    def rank_figures(self):
+        out = {"exchange_waited_seconds": round(self.tally.waited, 4)}
+        if self.sharing.per_epoch:
+            out["balanced_epoch_steps"] = list(self.sharing.steps)
+        return {**out, **self.averager.figures()}
+
+    # -- what its callback calls (`ExchangeCallback`) ----------------------------------------
+    def epoch_begins(self, global_step):
+        """At an epoch's first step (every rank holds one model). Under unequal shares a
+        rank's last epoch may have ended past the epoch's start: the step counts set to it,
+        and each optimizer's steps moved by as much (its learning rate follows them)."""
+        self.sharing.begin_epoch(timed=global_step >= self.warmup)  # no synchronous step
+        r = self.replica
+        if not self.in_agreement():
+            return
+        if global_step != r.step:
+            for opt in self.optimizers:
+                opt.iterations.assign_add(global_step - r.step)
+            r.step = r.agreed = r.agreed_whole = global_step
+        self.averager.epoch_begins()
+
+    def clock(self, step_in_epoch, seconds):
+        """After each execution: its `seconds`, from Keras's start of it to its end."""
+        self.sharing.clock(step_in_epoch, seconds)
+
+    def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
+        """At an execution's end (every rank): ends the warmup, or exchanges where one is
+        due. Returns True when the ranks hold one model after an exchange."""
+        r = self.replica
+        r.step = global_step
+        if self.syncing:  # these steps averaged their gradients: in agreement
+            r.agreed = r.agreed_whole = global_step
+            if global_step >= self.warmup:
+                self.syncing = False
+                self.gate.on.assign(False)
+                # The anchor where the local steps begin, as a run resumed here sets it.
+                self.averager.start_round()
+            return False
+        self.at_point = self.sharing.exchange_due(step_in_epoch, steps_per_epoch, self.every)
+        if self.at_point:
+            self.weight = self.sharing.weight_at(step_in_epoch)
+            return self.now()
+        return False
+
+    def epoch_ends(self):
+        """At an epoch's end, after its whole exchange (every rank): the ranks' speeds
+        gathered for the next epoch's shares (`--sync-balance`)."""
+        self.sharing.gather(lambda s: hvd.allgather_object(s, name="hvdtrain.shares"))
+
+    def in_agreement(self):
+        return self.averager.in_agreement()
+
+    def now(self, whole=False):
+        """An exchange here (a collective: every rank calls it at the same point, with the
+        same `whole`): at an exchange point as the averager makes it, or with `whole` all of
+        it landed and the optimizers' state averaged too. Returns True when the ranks hold
+        one model after it and did not before."""
+        weight = None if self.weight is None else tf.constant(self.weight, tf.float32)
+        if not whole:
+            return self.averager.point(weight)
+        r = self.replica
+        exchanged = self.averager.whole(weight)
+        if r.opt_state and r.agreed_whole != r.step:
+            with waiting(self.tally, self.mode.name):
+                wire.average_variables(r.opt_state, "hvdtrain.exchange.optimizers")
+                self.tally.bytes += wire.wire_bytes(r.opt_state)
+        r.agreed_whole = r.step
+        return exchanged
