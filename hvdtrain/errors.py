@@ -1,6 +1,7 @@
 """The one exception family for user mistakes, and how the command line reports it."""
 
 import os
+import re
 import socket
 import sys
 
@@ -60,7 +61,7 @@ def one_line(error, *, named=False, whole=False, most=None):
     elif isinstance(error, OSError) and error.strerror and not named:
         line = error.strerror
     else:
-        line = _cause(text)
+        line = " ".join(_TF_DECORATIONS.sub("", _cause(text)).split())
     if named:
         line = line.removeprefix(f"{name}: ")
     line = line[:most] if most else line
@@ -85,6 +86,10 @@ def _cause(message):
         if causes:
             return causes[-1].strip()
     return next((line for line in lines if line), "")
+
+
+# What TensorFlow's op errors put around their message: the function and the op.
+_TF_DECORATIONS = re.compile(r"\{\{function_node [^}]*\}\}|\[Op:\w+\](?: name: ?\S*)?")
 
 
 def note_ending(message):

@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from hvdtrain import frontends
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, one_line
 from hvdtrain.errors import main as cli_main
 from hvdtrain.recipe.flags import ArgumentParser
 
@@ -87,7 +87,7 @@ def build_model(classes, weights=None, keras=None):
         try:
             base.load_weights(weights)
         except (OSError, ValueError) as e:  # not HDF5, or another network's weights
-            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            reason = one_line(e)
             raise invalid_value(
                 "--weights", weights, f"Keras MobileNetV2 no-top weights (.h5): {reason}"
             ) from None

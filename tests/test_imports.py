@@ -75,3 +75,49 @@ def test_no_module_of_hvdtrain_imports_one_that_imports_it_back():
     graph = {m: _imports(m, p, modules) for m, p in modules.items()}
     assert graph["hvdtrain.runtime.watchdog"] >= {"hvdtrain.runtime.stall"}  # the walk sees imports
     assert _circles(graph) == []
+
+
+# The floors, lowest first: a module imports only modules of its own floor or lower ones
+# (docs/development.md, "The map"). The entry points share a floor; `_moved` (the old module
+# paths) and the package itself sit on top.
+FLOORS = [
+    ("errors",),
+    ("runtime",),
+    ("optimizers",),
+    ("frontends",),
+    ("data",),
+    ("exchange",),
+    ("recipe",),
+    ("models", "mnist", "cifar10", "images"),
+    ("launcher",),
+    ("bench",),
+    ("_moved", ""),
+]
+
+
+def _floor(module):
+    top = module.split(".")[1] if "." in module else ""
+    return next(i for i, names in enumerate(FLOORS) if top in names)
+
+
+def test_no_import_runs_back_up_the_floors():
+    modules = _modules()
+    upward = [
+        f"{m} imports {i}"
+        for m, p in modules.items()
+        for i in _imports(m, p, modules)
+        if _floor(i) > _floor(m)
+    ]
+    assert upward == []
+
+
+def test_no_file_of_the_library_is_over_600_lines():
+    long = {m: n for m, p in _modules().items() if (n := len(open(p).readlines())) > 600}
+    assert long == {}
+
+
+def test_both_keras_frontends_implement_the_declared_interface():
+    from hvdtrain.frontends import interface, keras2, keras3
+
+    assert interface.missing(keras2) == [] and interface.missing(keras3) == []
+    assert set(keras3.__all__) == set(interface.NAMES)

@@ -222,3 +222,9 @@ def test_format_command_shortens_path_and_quotes():
     assert (
         line == "PATH='/my venv/bin:'\"$PATH\" horovodrun -np 2 python -c 'print('\"'\"'hi'\"'\"')'"
     )
+
+
+def test_each_backend_is_one_builder_in_one_table():
+    from hvdtrain.launcher.commands import BACKENDS, COMMANDS, program_for
+
+    assert tuple(COMMANDS) == BACKENDS and all(program_for(b) for b in BACKENDS)

@@ -42,24 +42,17 @@ indexed test set, all of them (a short last batch included), every sample exactl
 test generator the same way (or all of it when it shards itself).
 """
 
-import concurrent.futures
-import contextlib
-import hashlib
 import inspect
 import itertools
-import multiprocessing
 import os
-import random
-import traceback
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import errors
-from hvdtrain.data import Data
-from hvdtrain.errors import HvdtrainError, invalid_value, kind_of, one_line
-from hvdtrain.runtime import tracebacks, watchdog
+from hvdtrain.data import loaders
+from hvdtrain.data.base import Data
+from hvdtrain.errors import HvdtrainError, invalid_value, one_line
+from hvdtrain.runtime import watchdog
 
 __all__ = ["BatchData", "is_batches"]
 
@@ -67,329 +60,7 @@ __all__ = ["BatchData", "is_batches"]
 def is_batches(obj):
     """Whether `obj` is batches made in Python: an indexed dataset (a `PyDataset`, a
     `Sequence`), a generator, or a generator function. No TensorFlow or Keras needed."""
-    return _indexed(obj) or inspect.isgenerator(obj) or inspect.isgeneratorfunction(obj)
-
-
-def _indexed(obj):
-    """A Keras `Sequence` or `PyDataset` (or one written alike): batches by index, with
-    Keras's epoch hooks. Arrays have `__getitem__` and `__len__` too, but no hooks."""
-    return (
-        hasattr(obj, "__getitem__") and hasattr(obj, "on_epoch_end") and not isinstance(obj, type)
-    )
-
-
-def _seed_of(*parts):
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "big")
-
-
-@contextlib.contextmanager
-def _seeded(*parts):
-    """numpy's and Python's global random generators seeded from `parts` (the same on every
-    rank), restored after."""
-    np_state, py_state = np.random.get_state(), random.getstate()
-    np.random.seed(_seed_of(*parts))
-    random.seed(_seed_of(*parts))
-    try:
-        yield
-    finally:
-        np.random.set_state(np_state)
-        random.setstate(py_state)
-
-
-def _standard(batch, where):
-    """A batch as Keras takes it: a tuple `(x,)`, `(x, y)` or `(x, y, sample_weight)`, or a
-    dict; its lists as tuples, its leaves numpy arrays (None for a missing part). Else the
-    error, saying `where` the batch came from."""
-    if isinstance(batch, np.ndarray):
-        batch = (batch,)
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    if isinstance(batch, dict) or (isinstance(batch, tuple) and 1 <= len(batch) <= 3):
-        return tf.nest.map_structure(lambda a: a if a is None else np.asarray(a), _tuples(batch))
-    got = f"a tuple of {len(batch)}" if isinstance(batch, tuple) else kind_of(batch)
-    raise HvdtrainError(
-        f"{where}: expected a tuple (x,), (x, y) or (x, y, sample_weight), or a dict; "
-        f"received {got}"
-    )
-
-
-def _tuples(data):
-    if isinstance(data, dict):
-        return {k: _tuples(v) for k, v in data.items()}
-    if isinstance(data, list | tuple) and not hasattr(data, "_fields"):
-        if data and all(isinstance(v, np.ndarray | dict | list | tuple) for v in data):
-            return tuple(_tuples(v) for v in data)
-    return data
-
-
-def _describe(batch):
-    return str(tf.nest.map_structure(lambda a: f"{a.dtype}{list(a.shape)}", batch))
-
-
-def _signature(batches):
-    """The `tf.TensorSpec`s of batches of one structure: the batch dimension unknown, any
-    other dimension unknown where the batches differ in it."""
-    first = batches[0]
-
-    def spec(*leaves):
-        shapes = [a.shape for a in leaves]
-        dims = [None] + [
-            d if all(len(s) == len(shapes[0]) and s[i] == d for s in shapes) else None
-            for i, d in enumerate(shapes[0][1:], start=1)
-        ]
-        return tf.TensorSpec(dims if leaves[0].ndim else [], tf.as_dtype(leaves[0].dtype))
-
-    return tf.nest.map_structure(spec, first, *batches[1:])
-
-
-def _check(batch, signature, what):
-    """`batch` (standardized) fits `signature`, or an error saying how it differs."""
-    try:
-        tf.nest.assert_same_structure(batch, signature)
-    except (ValueError, TypeError):
-        raise HvdtrainError(
-            f"{what} has another structure than the first batch: {_describe(batch)}, where "
-            f"the first was {_spec_text(signature)}; make every batch alike"
-        ) from None
-    for a, s in zip(tf.nest.flatten(batch), tf.nest.flatten(signature), strict=True):
-        if tf.as_dtype(a.dtype) != s.dtype or not s.shape.is_compatible_with(a.shape):
-            raise HvdtrainError(
-                f"{what} is {_describe(batch)} where the first batches were "
-                f"{_spec_text(signature)}; give every batch the same dtypes and shapes "
-                "(the batch dimension may differ)"
-            )
-
-
-def _spec_text(signature):
-    return str(tf.nest.map_structure(lambda s: f"{s.dtype.name}{s.shape.as_list()}", signature))
-
-
-def _batch_size(batch):
-    return len(tf.nest.flatten(batch)[0]) if tf.nest.flatten(batch)[0].ndim else 1
-
-
-def _arity(fn):
-    """How many positional arguments a generator function takes: 0, 2 or 4."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return 0
-    required = [
-        p
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    if len(required) not in (0, 2, 4):
-        raise invalid_value(
-            "generator function",
-            f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)}",
-            "a function of (), (rank, size) or (rank, size, seed, epoch) that yields batches",
-        )
-    return len(required)
-
-
-# -- the sources: batches by index, or a stream ------------------------------------------
-class _Indexed:
-    """A `PyDataset` or `Sequence`."""
-
-    def __init__(self, seq, name, workers, processes, queue):
-        self.seq, self.name = seq, name
-        self.workers = workers if workers is not None else getattr(seq, "workers", 1)
-        self.processes = bool(
-            processes if processes is not None else getattr(seq, "use_multiprocessing", False)
-        )
-        self.queue = queue if queue is not None else getattr(seq, "max_queue_size", 10)
-        for what, value in (("workers", self.workers), ("max_queue_size", self.queue)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise invalid_value(what, value, "an integer >= 0")
-        self.ended = None  # the last epoch whose on_epoch_end ran in this process
-
-    def __len__(self):
-        try:  # Keras 3's PyDataset may give `num_batches` alone (None: endless)
-            n = len(self.seq) if hasattr(type(self.seq), "__len__") else self.seq.num_batches
-        except Exception as e:
-            raise _raised(e, f"len({self.name})") from None
-        if n is None:
-            raise HvdtrainError(
-                f"{self.name} has no length (num_batches is None): an endless PyDataset; give "
-                "its batches per epoch as hvdtrain.BatchData(data, steps_per_epoch=N)"
-            )
-        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
-            raise invalid_value(f"len({self.name})", n, "a number of batches")
-        return int(n)
-
-    def get(self, index, seed, epoch, seeded=True):
-        with _seeded(seed, epoch, index) if seeded else contextlib.nullcontext():
-            try:
-                batch = self.seq[index]
-            except HvdtrainError:
-                raise
-            except Exception as e:
-                raise _raised(e, f"{self.name}[{index}]") from None
-        return _standard(batch, f"{self.name}[{index}]")
-
-    def hook(self, name, seed, epoch):
-        fn = getattr(self.seq, name, None)
-        if fn is None:
-            return
-        with _seeded(seed, epoch, name):
-            try:
-                fn()
-            except Exception as e:
-                raise _raised(e, f"{self.name}.{name}()") from None
-        if name == "on_epoch_end":
-            self.ended = epoch
-
-    def parallel(self):
-        """Whether loading runs beside the training thread (Keras's own rule)."""
-        return self.workers > 1 or (self.workers > 0 and self.processes)
-
-    def load(self, indices, seed, epoch):
-        """Yields `(index, batch)` for `indices` of one epoch, in order: in this thread, or
-        by `workers` threads or processes up to `max_queue_size` ahead."""
-        if not self.parallel():
-            for i in indices:
-                yield i, self.get(i, seed, epoch)
-            return
-        if self.processes:  # forked per epoch: the workers see what on_epoch_end changed
-            global _SHARED
-            _SHARED = self
-            with warnings.catch_warnings():  # Keras forks alike ("multi-threaded" warning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pool = multiprocessing.get_context("fork").Pool(self.workers)
-            submit = lambda i: pool.apply_async(_get_shared, (i, seed, epoch))  # noqa: E731
-            result = lambda f: f.get()  # noqa: E731
-        else:  # threads share numpy's generator: no seeding there
-            pool = concurrent.futures.ThreadPoolExecutor(self.workers)
-            submit = lambda i: pool.submit(self.get, i, seed, epoch, False)  # noqa: E731
-            result = lambda f: f.result()  # noqa: E731
-        closed = []
-
-        def close():
-            if not closed:
-                closed.append(True)
-                if self.processes:
-                    pool.terminate()
-                else:
-                    pool.shutdown(wait=True, cancel_futures=True)
-
-        try:
-            pending, todo = [], iter(indices)
-            for i in itertools.islice(todo, max(self.queue, 1)):
-                pending.append((i, submit(i)))
-            while pending:
-                i, future = pending.pop(0)
-                batch = result(future)
-                for j in itertools.islice(todo, 1):
-                    pending.append((j, submit(j)))
-                if not pending:  # the epoch's last: the workers are done before its hooks
-                    close()
-                yield i, batch
-        finally:
-            close()
-
-
-_SHARED = None  # the `_Indexed` that forked loader processes read (set before the fork)
-
-
-def _get_shared(index, seed, epoch):
-    return _SHARED.get(index, seed, epoch)
-
-
-class _Stream:
-    """A generator function (called anew each epoch), or a generator object (one stream
-    across the epochs, read in this process from its start)."""
-
-    def __init__(self, gen, name):
-        self.name, self.gen = name, gen
-        self.function = callable(gen) and not inspect.isgenerator(gen)
-        self.arity = _arity(gen) if self.function else 0
-        self.items = None  # a generator object's batches, from `position` on
-        self.position = 0
-        self.first = None  # its first batch (`peek`)
-
-    @property
-    def self_sharded(self):
-        return self.arity >= 2
-
-    def open(self, rank, size, seed, epoch):
-        """This epoch's batches for `rank`, from a generator function."""
-        args = (rank, size, seed, epoch)[: self.arity]
-        try:
-            it = iter(self.gen(*args))
-        except Exception as e:
-            raise _raised(e, f"{self.name}{args}") from None
-        return it if self.self_sharded else itertools.islice(it, rank, None, size)
-
-    def own(self, k, rank, size):
-        """The position in the generator's own count of rank `rank`'s `k`-th batch of an
-        epoch (`open`): what an error names, as the user counts the generator's batches."""
-        return k if self.self_sharded else k * size + rank
-
-    def next(self, it, position):
-        """The next batch of `it` (standardized), or None at its end; `position`: its place
-        in the generator's own count (`own`)."""
-        try:
-            batch = next(it)
-        except StopIteration:
-            return None
-        except Exception as e:
-            raise _raised(e, f"{self.name}'s batch {position}") from None
-        return _standard(batch, f"{self.name}'s batch {position}")
-
-    def at(self, position):
-        """Batch `position` of a generator object (those before it read and dropped), or
-        None where it ended."""
-        if self.items is None:
-            self.items = iter(self.gen)
-        if position < self.position:
-            raise HvdtrainError(
-                f"{self.name} is a generator object, read once: it cannot go back to batch "
-                f"{position}; pass the function that makes it"
-            )
-        while self.position < position:
-            self.position += 1
-            if self.next(self.items, self.position - 1) is None:
-                return None
-        self.position += 1
-        return self.next(self.items, position)
-
-    def peek(self):
-        """A generator object's first batch, kept for the first step."""
-        self.first = self.at(0)
-        if self.first is None:
-            raise HvdtrainError(f"{self.name} yielded no batch")
-        self.items, self.position = itertools.chain([self.first], self.items), 0
-        return self.first
-
-
-def _raised(error, what):
-    """What to raise for `error`, raised by the data's code while hvdtrain ran it for
-    `what` (in the data's own terms: `Images[9]`, `Images.on_epoch_end()`, `batches's batch
-    20`, counted as the generator counts them).
-
-    A ValueError or KeyError with a message that a `raise` in the user's own code threw is
-    deliberate: one line naming `what`, and that function with its file and line (an
-    `HvdtrainError`, exit 2). Another error that came through the user's code (a typo's
-    NameError, a library's error on what the code gave it) is a bug, treated as one in a
-    callback is: itself, marked with `what` and the place (`errors.in_your_code`), so that
-    its traceback is printed once per host and its rank's line names both (exit 1). An
-    error from no code of the user's (a library's own loader) stays one line."""
-    frame = tracebacks.your_frame(error.__traceback__)
-    if frame is None:
-        return HvdtrainError(f"{what} raised {one_line(error, named=True, whole=True, most=300)}")
-    raiser = traceback.extract_tb(error.__traceback__)[-1]
-    where = f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
-    deliberate = (
-        isinstance(error, ValueError | KeyError)
-        and str(error).strip()
-        and (raiser.filename, raiser.lineno) == (frame.filename, frame.lineno)
-        and (raiser.line or "").startswith("raise")
-    )
-    if deliberate:
-        text = one_line(error, named=True, whole=True, most=300)
-        return HvdtrainError(f"{what} raised {text} in {where}")
-    return errors.in_your_code(error, what, where)
+    return loaders.is_indexed(obj) or inspect.isgenerator(obj) or inspect.isgeneratorfunction(obj)
 
 
 class BatchData(Data):
@@ -447,19 +118,25 @@ class BatchData(Data):
         loading = (workers, use_multiprocessing, max_queue_size)
         self.train = self._source(train, type(train).__name__, loading)
         self.test = None if test is None else self._source(test, "the test set", loading)
-        if isinstance(self.train, _Stream) and not self.train.function and not steps_per_epoch:
+        if (
+            isinstance(self.train, loaders.Stream)
+            and not self.train.function
+            and not steps_per_epoch
+        ):
             raise HvdtrainError(
                 "Invalid value for `data`: received a generator object, which can be read "
                 "once and whose length is unknown; expected "
                 "hvdtrain.BatchData(generator, steps_per_epoch=N), or the function that makes "
                 "the generator (called anew each epoch)"
             )
-        if isinstance(self.test, _Stream) and not self.test.function:
+        if isinstance(self.test, loaders.Stream) and not self.test.function:
             raise invalid_value(
                 "test", "a generator object", "a function that makes the test generator"
             )
         self.given_steps, self.shuffle = steps_per_epoch, bool(shuffle)
-        self.source = source or ("generator" if isinstance(self.train, _Stream) else "python")
+        self.source = source or (
+            "generator" if isinstance(self.train, loaders.Stream) else "python"
+        )
         self.batch_size = None  # the data's own: `prepare` reads it
         # Batches per rank and epoch; full batches; all batches; samples in all:
         self._steps = self._full = self._batches = self._samples = None
@@ -469,9 +146,9 @@ class BatchData(Data):
 
     @staticmethod
     def _source(obj, name, loading):
-        if _indexed(obj):
-            return _Indexed(obj, name, *loading)
-        return _Stream(obj, getattr(obj, "__name__", name))
+        if loaders.is_indexed(obj):
+            return loaders.Indexed(obj, name, *loading)
+        return loaders.Stream(obj, getattr(obj, "__name__", name))
 
     # -- agreeing on the batches ----------------------------------------------------------
     def prepare(self, placement, seed=0):
@@ -485,7 +162,7 @@ class BatchData(Data):
         everyone = _gather(p, mine, "hvdtrain.data.batches")
         agree(lambda: _check_ranks(everyone, self.train))
         self.batch_size, self.signature = mine["batch_size"], mine["signature"]
-        if isinstance(self.train, _Indexed):
+        if isinstance(self.train, loaders.Indexed):
             self._batches, self._full = mine["length"], mine["full"]
             self._samples = mine["samples"]
             self._steps = self.given_steps or self._full // p.size
@@ -515,27 +192,27 @@ class BatchData(Data):
     def _look(self, source, p, seed, count):
         """This rank's view of a source: its length and full batches (indexed), or the
         batches it yields in epoch 0 (`count`); the first batches' signature and size."""
-        if isinstance(source, _Indexed):
+        if isinstance(source, loaders.Indexed):
             n = len(source)
             if n == 0:
                 raise HvdtrainError(f"{source.name} is empty (its length is 0)")
             first = source.get(0, seed, 0)
             last = source.get(n - 1, seed, 0) if n > 1 else first
-            size = _batch_size(first)
+            size = loaders.size_of(first)
             if isinstance(tf.nest.flatten(first)[0], np.ndarray) and size == 0:
                 raise HvdtrainError(f"{source.name}[0] is an empty batch")
-            full = n if _batch_size(last) == size else n - 1
+            full = n if loaders.size_of(last) == size else n - 1
             batches = [first, last] if n > 1 and full == n else [first]
             return {
                 "length": n,
                 "full": full,
-                "samples": full * size + (_batch_size(last) if full < n else 0),
+                "samples": full * size + (loaders.size_of(last) if full < n else 0),
                 "batch_size": size,
                 "signature": _signature_of(batches, source.name),
             }
         if not source.function:  # read once: its first batch is kept for the first step
             first = source.first if source.items is not None else source.peek()
-            return {"count": None, "batch_size": _batch_size(first),
+            return {"count": None, "batch_size": loaders.size_of(first),
                     "signature": _signature_of([first], source.name)}  # fmt: skip
         it = source.open(p.rank, p.size, seed, 0)
         first = source.next(it, source.own(0, p.rank, p.size))
@@ -549,12 +226,12 @@ class BatchData(Data):
                 batch = source.next(it, own)
                 if batch is None:
                     break
-                _check(batch, signature, f"{source.name}'s batch {own}")
-        return {"count": n, "batch_size": _batch_size(first), "signature": signature}
+                loaders.check_batch(batch, signature, f"{source.name}'s batch {own}")
+        return {"count": n, "batch_size": loaders.size_of(first), "signature": signature}
 
     def describe(self):
         name, size = self.train.name, self._full // self._steps
-        if isinstance(self.train, _Indexed):
+        if isinstance(self.train, loaders.Indexed):
             left = self._batches - self._steps * size
             return (
                 f"{name}: {self._batches} batches of {self.batch_size} (the data's batch size), "
@@ -611,7 +288,7 @@ class BatchData(Data):
     def shares(self):
         """Batches by index (a `Sequence`, a `PyDataset`) can be shared out unequally; a
         generator's are its own."""
-        return isinstance(self.train, _Indexed)
+        return isinstance(self.train, loaders.Indexed)
 
     def train_share(self, batch_size, *, seed, epoch, first, steps):
         """The batches `first` to `first + steps` of epoch `epoch`'s order over all ranks (an
@@ -630,7 +307,7 @@ class BatchData(Data):
         if not todo:
             src.hook("on_epoch_end", seed, epoch)
         for k, (i, batch) in enumerate(src.load(todo, seed, epoch)):
-            _check(batch, self.signature, f"{src.name}[{i}]")
+            loaders.check_batch(batch, self.signature, f"{src.name}[{i}]")
             if k == len(todo) - 1:  # all loaded: the hook runs as Keras runs it
                 src.hook("on_epoch_end", seed, epoch)
             yield batch
@@ -657,7 +334,7 @@ class BatchData(Data):
                         raise self._ran_out(p, epoch, k, steps)
                     if k >= (skip if epoch == first else 0):
                         where = f"{src.name}'s batch {src.own(k, p.rank, p.size)}"
-                        _check(batch, self.signature, where)
+                        loaders.check_batch(batch, self.signature, where)
                         yield batch
 
         def stream():  # one generator object: rank r's k-th batch is its (k x ranks + r)-th
@@ -667,16 +344,16 @@ class BatchData(Data):
                     batch = src.at(n)
                     if batch is None:
                         raise self._ran_out(p, epoch, k, steps)
-                    _check(batch, self.signature, f"{src.name}'s batch {n}")
+                    loaders.check_batch(batch, self.signature, f"{src.name}'s batch {n}")
                     yield batch
 
-        if isinstance(src, _Indexed):
+        if isinstance(src, loaders.Indexed):
             gen = indexed
         else:
             gen = function if src.function else stream
         ds = tf.data.Dataset.from_generator(self._kept(gen, src), output_signature=self.signature)
         # Loader workers load ahead themselves (`max_queue_size`), as under Keras.
-        parallel = isinstance(src, _Indexed) and src.parallel()
+        parallel = isinstance(src, loaders.Indexed) and src.parallel()
         return ds.prefetch(1 if parallel else tf.data.AUTOTUNE)
 
     def _ran_out(self, p, epoch, k, steps):
@@ -706,7 +383,7 @@ class BatchData(Data):
             except HvdtrainError as e:
                 self.failure = HvdtrainError(str(e), every_rank=False)
                 raise
-            except Exception as e:  # a bug in the user's code (`_raised`): itself
+            except Exception as e:  # a bug in the user's code (`loaders.raised`): itself
                 self.failure = e
                 raise
 
@@ -726,7 +403,7 @@ class BatchData(Data):
 
         def indexed():
             for i, batch in src.load(range(p.rank, len(src), p.size), 0, 0):
-                _check(batch, signature, f"the test set's batch {i}")
+                loaders.check_batch(batch, signature, f"the test set's batch {i}")
                 yield batch
 
         def function():
@@ -735,12 +412,14 @@ class BatchData(Data):
                 batch = src.next(it, src.own(n, p.rank, p.size))
                 if batch is None:
                     return
-                _check(batch, signature, f"the test set's batch {src.own(n, p.rank, p.size)}")
+                loaders.check_batch(
+                    batch, signature, f"the test set's batch {src.own(n, p.rank, p.size)}"
+                )
                 yield batch
 
-        gen = indexed if isinstance(src, _Indexed) else function
+        gen = indexed if isinstance(src, loaders.Indexed) else function
         ds = tf.data.Dataset.from_generator(self._kept(gen, src), output_signature=signature)
-        if isinstance(src, _Indexed):  # of known length: Keras need not count it
+        if isinstance(src, loaders.Indexed):  # of known length: Keras need not count it
             ds = ds.apply(
                 tf.data.experimental.assert_cardinality(len(range(p.rank, len(src), p.size)))
             )
@@ -749,7 +428,7 @@ class BatchData(Data):
 
 def _signature_of(batches, name):
     try:
-        return _signature(batches)
+        return loaders.batch_signature(batches)
     except (ValueError, TypeError) as e:
         raise HvdtrainError(
             f"{name}'s batches are not alike: {one_line(e, named=True, whole=True, most=300)}; "
@@ -771,7 +450,7 @@ def _by_rank(values):
 
 def _check_ranks(everyone, source):
     """Every rank built the same data: the same length (indexed), batch size and structure."""
-    if isinstance(source, _Indexed):
+    if isinstance(source, loaders.Indexed):
         lengths = [e["length"] for e in everyone]
         if len(set(lengths)) > 1:
             raise HvdtrainError(
@@ -785,7 +464,7 @@ def _check_ranks(everyone, source):
             f"the ranks' {source.name} have different batch sizes ({_by_rank(sizes)}); give "
             "every rank the same batch size"
         )
-    specs = {_spec_text(e["signature"]) for e in everyone if e["signature"] is not None}
+    specs = {loaders.spec_text(e["signature"]) for e in everyone if e["signature"] is not None}
     if len(specs) > 1:
         raise HvdtrainError(
             f"the ranks' {source.name} give batches of different structures or dtypes "

@@ -32,13 +32,12 @@ one (tests/test_recipe.py); random augmentation inside `parse` is not replayed e
 import glob
 import hashlib
 import json
-import re
 
 import numpy as np
 import tensorflow as tf
 
 from hvdtrain.data import Data, chain
-from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value, one_line
 
 __all__ = ["FileData", "READERS", "count_records", "epoch_ranges", "epoch_range"]
 
@@ -69,10 +68,7 @@ def _reader(reader, compression=None):
 def _unreadable(path, error, compression):
     """Why TensorFlow could not read `path`, in a line: its op error without the function
     and op names around it; a GZIP file read as plain says how to read it."""
-    text = re.sub(
-        r"\{\{function_node [^}]*\}\}|\[Op:\w+\](?: name: ?\S*)?", "", error.message or ""
-    )
-    reason = " ".join((text.strip().splitlines() or [type(error).__name__])[0].split())[:200]
+    reason = one_line(error, most=200)
     try:
         with open(path, "rb") as f:
             gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number

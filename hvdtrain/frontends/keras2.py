@@ -5,41 +5,12 @@ import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from hvdtrain.errors import invalid_value
+from hvdtrain.frontends import interface
 from hvdtrain.optimizers.hooks import applying, attach_hooks, class_attribute, gated, hooks_of
-from hvdtrain.optimizers.rates import WarmupSchedule, single_worker_lr
+from hvdtrain.optimizers.rates import WarmupSchedule, single_worker_lr  # noqa: F401 (interface)
 from hvdtrain.runtime import compat
 
-__all__ = [
-    "NAME",
-    "PACKAGE",
-    "ONE_EPOCH_PER_FIT",
-    "keras",
-    "owns",
-    "check",
-    "compiled",
-    "OPTIMIZER_TYPES",
-    "LEGACY_OPTIMIZERS",
-    "unwrapped",
-    "is_compiled",
-    "compiled_loss",
-    "has_added_losses",
-    "jit_compile",
-    "configure",
-    "base_lr",
-    "WarmupSchedule",
-    "is_distributed",
-    "distributed_optimizer",
-    "horovod_optimizer",
-    "loss_scale",
-    "optimizer_variables",
-    "current_loss_scale",
-    "set_seed",
-    "set_policy",
-    "float32_outputs",
-    "tensorboard",
-    "deterministic",
-    "checkpoint_extras",
-]
+__all__ = [*interface.NAMES, "horovod_optimizer"]  # the frontend interface
 
 ONE_EPOCH_PER_FIT = False  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 2 (tf-keras)"

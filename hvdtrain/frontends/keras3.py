@@ -12,39 +12,11 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.frontends import interface
 from hvdtrain.optimizers import rates
 from hvdtrain.optimizers.hooks import applying, attach_hooks, class_attribute, gated, hooks_of
 
-__all__ = [
-    "NAME",
-    "PACKAGE",
-    "ONE_EPOCH_PER_FIT",
-    "keras",
-    "owns",
-    "check",
-    "compiled",
-    "OPTIMIZER_TYPES",
-    "LEGACY_OPTIMIZERS",
-    "unwrapped",
-    "is_compiled",
-    "compiled_loss",
-    "has_added_losses",
-    "jit_compile",
-    "configure",
-    "base_lr",
-    "WarmupSchedule",
-    "is_distributed",
-    "distributed_optimizer",
-    "loss_scale",
-    "optimizer_variables",
-    "current_loss_scale",
-    "set_seed",
-    "set_policy",
-    "float32_outputs",
-    "tensorboard",
-    "deterministic",
-    "checkpoint_extras",
-]
+__all__ = [*interface.NAMES]  # the frontend interface
 
 ONE_EPOCH_PER_FIT = True  # whole executions only: a fit per epoch ends the last early
 NAME = "Keras 3"

@@ -294,14 +294,22 @@ def build_command(config, environ, uid, bindir="", program=None):
     Returns:
         (argv, env): the command as a list, and the variables to set on top of `environ`.
     """
-    if config.backend not in BACKENDS:
+    if config.backend not in COMMANDS:
         raise HvdtrainError(f"unknown backend {config.backend!r}; expected one of {BACKENDS}")
     program = program or program_for(config.backend)
-    if config.backend in ("gloo", "mpi"):
-        return horovodrun_command(config, environ, bindir, program)
-    if config.backend == "mpirun":
-        return mpirun_command(config, environ, uid, bindir, program)
-    return srun_command(config, environ, bindir, program)
+    return COMMANDS[config.backend](config, environ, uid, bindir, program)
+
+
+# Each backend's command builder, `(config, environ, uid, bindir, program) -> (argv, env)`: a
+# new backend is one builder above and one line here (and its program in `program_for`).
+COMMANDS = {
+    "gloo": lambda c, environ, uid, bindir, program: horovodrun_command(
+        c, environ, bindir, program
+    ),
+    "mpi": lambda c, environ, uid, bindir, program: horovodrun_command(c, environ, bindir, program),
+    "mpirun": mpirun_command,
+    "srun": lambda c, environ, uid, bindir, program: srun_command(c, environ, bindir, program),
+}
 
 
 def is_secret(name):

@@ -41,7 +41,7 @@ import time
 
 import tensorflow as tf
 
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, one_line
 from hvdtrain.recipe import outputs
 from hvdtrain.runtime import orphan
 
@@ -334,7 +334,7 @@ class CheckpointManager:
             state.read(os.path.join(path, "state")).assert_existing_objects_matched()
         # A damaged state file makes TensorFlow's reader raise IndexError, KeyError, ...
         except (AssertionError, LookupError, ValueError, TypeError, tf.errors.OpError) as e:
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            reason = one_line(e)
             raise HvdtrainError(
                 f"Invalid checkpoint in `--checkpoint-dir`: {path} does not match this model "
                 f"and optimizer ({reason}). Use a new --checkpoint-dir."
@@ -421,7 +421,7 @@ class CheckpointManager:
                 )
         except (OSError, tf.errors.OpError) as e:  # a full disk, a lost mount, permissions
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = getattr(e, "strerror", None) or str(e).splitlines()[0].split("; ")[-1]
+            reason = one_line(e).split("; ")[-1]  # TensorFlow's: "...: path; the reason"
             # Rank 0's alone: the others are already in the next step's collectives, so it
             # leaves at once (no meeting in a last collective) and the launcher ends them.
             raise HvdtrainError(

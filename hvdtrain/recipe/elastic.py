@@ -83,7 +83,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvdtrain.errors import HvdtrainError, write_line
+from hvdtrain.errors import HvdtrainError, one_line, write_line
 from hvdtrain.recipe import optim
 from hvdtrain.runtime import watchdog
 from hvdtrain.runtime.uncaught import because_of_another_rank
@@ -434,7 +434,7 @@ def quiet_refusals():
         refused[0] += 1
         error = sys.exc_info()[1]
         why = "not signed with this job's key" if "Security error" in str(error) else (
-            str(error).splitlines()[0] if str(error) else type(error).__name__)  # fmt: skip
+            one_line(error))  # fmt: skip
         write_line(
             f"hvdtrain: rank {hvd.rank() if hvd.is_initialized() else '?'}: Horovod's "
             f"{service._service_name} refused a request from {client_address[0]}: {why} "

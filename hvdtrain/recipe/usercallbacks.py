@@ -22,6 +22,8 @@ A stop and a learning rate set by a callback are in hvdtrain's checkpoints: a re
 does not train past the stop, and goes on at the rate set.
 """
 
+import weakref
+
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
@@ -41,6 +43,9 @@ REFUSED = {
 }
 
 
+_RANK0_ONLY = weakref.WeakSet()  # the callbacks `rank0_only` marked, for as long as they live
+
+
 def rank0_only(*callbacks):
     """Marks callbacks of your own to run on rank 0 only in `hvdtrain.fit` (one that logs to a
     service, writes a file, prints); returns the callback (or the list of them)::
@@ -48,7 +53,7 @@ def rank0_only(*callbacks):
         hvdtrain.fit(build_model, data, args, callbacks=[hvdtrain.rank0_only(MyLogger())])
     """
     for callback in callbacks:
-        callback._hvdtrain_rank0_only = True
+        _RANK0_ONLY.add(callback)
     return callbacks[0] if len(callbacks) == 1 else list(callbacks)
 
 
@@ -63,9 +68,7 @@ def _keras_classes(callback):
 
 def runs_on_rank0_only(callback):
     """True for a callback that writes (Keras's writers, or marked by `rank0_only`)."""
-    return getattr(callback, "_hvdtrain_rank0_only", False) or bool(
-        _keras_classes(callback) & set(WRITERS)
-    )
+    return callback in _RANK0_ONLY or bool(_keras_classes(callback) & set(WRITERS))
 
 
 def own_batch_hooks(callbacks):

@@ -1,50 +1,21 @@
-"""Performance defaults, each measured by `python -m hvdtrain.bench` (its "Tuning" table);
-none of them changes the training math.
+"""Performance defaults of a rank's process; none of them changes the training math. Each is
+measured by `python -m hvdtrain.bench`, its figures on docs/performance.md ("Tuning").
 
-- `compile_options`: `steps_per_execution` for `model.compile`. Keras then runs that many
-  steps inside one `tf.function` call (a `tf.while_loop`) instead of returning to Python
-  after every step; the updates are the same, step for step. It removes Keras' per-step
-  Python work (callbacks, the iterator, the function call): on one core the MNIST MLP at
-  batch 64 runs 2x faster with 16 steps per call than with 1. Batch callbacks (progress
-  bar, TensorBoard's per-batch logs, a watchdog's beat) then run once per call, with the
-  index of its last step. 64 steps per call is faster still on the MLP (+15 %), but a
-  callback that must see progress (`hvdtrain.WatchdogCallback`, 300 s) would then wait
-  64 steps: with slow steps that could be minutes; 16 keeps that short.
-- `horovod_settings`: variables `hvdtrain.init` sets before `hvd.init()`, where the user
-  has not set them:
-  - HOROVOD_CYCLE_TIME=0.1 when a launcher started more than one rank (Horovod: 1 ms).
-    Horovod's background thread looks for ready tensors once per cycle, and a step waits
-    for the next cycle after its last gradient: a 1 ms cycle costs the MLP about a quarter
-    of its throughput at -np 2. A single process keeps Horovod's 1 ms: it has nothing
-    to exchange, and polling every 0.1 ms would cost it a quarter of its core.
-    Under `--sync local/diloco`, whose ranks meet every H steps only, Horovod's 1 ms.
-  - OMPI_MCA_mpi_yield_when_idle=1 (Open MPI: 0 unless oversubscribed): an MPI wait yields
-    the core instead of spinning on it. With one core per rank, Horovod's background thread
-    waits in MPI for the other ranks at every cycle; spinning took the core from the rank's
-    own compute (the MLP at -np 2 runs at half the speed without it).
-- `background_policy` and `set_policy`: after `hvd.init()`, on CPU-only hosts, the threads
-  Horovod started (its background thread, MPI's and Gloo's helpers) are scheduled
-  SCHED_BATCH: they keep their fair share of the core but no longer preempt the rank's
-  compute threads each time they wake up (every cycle). Under Gloo the MLP at -np 2 runs
-  3x faster with it (about 2.3 against 8 ms per step); under MPI, with the yielding waits,
-  it changes little. SCHED_IDLE (run only when the compute waits) measured the same, but
-  a SCHED_IDLE thread starves when other processes load the machine, and every allreduce
-  would then wait for it. GPU hosts keep normal scheduling (the CPU there feeds the input
-  pipeline, which the background thread must not wait behind).
-- `cores_for_rank`: after `hvd.init()`, where nothing bound the ranks to cores
-  (`horovodrun` and `hvdtrain-run` start them with `--bind-to none`; a process allowed on
-  all the host's cores), each rank's threads are bound to its own share of the cores, as
-  `mpirun` binds ranks by default. By default only under `--sync local/diloco` on CPU-only
-  hosts, whose ranks compute on their own between exchanges: through `hvdtrain.fit`, local
-  SGD at H=16 on the MNIST MLP at -np 2 (batch 64) ran at 0.92-0.93 of the ceiling bound
-  against 0.68-0.70 unbound under MPI, 0.78-0.90 against 0.65-0.73 under Gloo; the convnet
-  (its augmenting input pipeline on the rank's threads) within 3 % either way (2026-11-30,
-  two rounds interleaved with the ceiling). HVDTRAIN_CPU_BIND=cores binds in every mode: it pays for
-  a small model whose ranks wait on each other every step (the MLP under `--sync step`,
-  19,400-23,700 samples/s bound against 15,100-17,200 under Gloo), and costs where a
-  rank's own threads share the work while it waits (the main job's convnet ran at 648-749
-  samples/s bound against 724-798, 2026-11-29, runs in turn).
-  HVDTRAIN_CPU_BIND=none never binds.
+- `compile_options`: `steps_per_execution` for `model.compile` (16): Keras runs that many
+  steps inside one `tf.function` call instead of returning to Python after every step (the
+  same updates). Batch callbacks then run once per call; 16 keeps a watchdog's beat frequent.
+- `horovod_settings`: variables `hvdtrain.init` sets before `hvd.init()`, where the user has
+  not: HOROVOD_CYCLE_TIME=0.1 ms when a launcher started more than one rank (a step waits for
+  Horovod's next cycle after its last gradient), 1 ms under `--sync local/diloco`, whose
+  ranks meet every H steps only, and for a single process; OMPI_MCA_mpi_yield_when_idle=1
+  (an MPI wait yields the core instead of spinning on it); Open MPI's `ofi` BTL left out
+  (its deadlock in `MPI_Init`: see `horovod_settings`).
+- `background_policy` and `set_policy`: on CPU-only hosts the threads Horovod started are
+  scheduled SCHED_BATCH, so they no longer preempt the rank's compute at every wake-up (not
+  SCHED_IDLE, which starves under load; GPU hosts keep normal scheduling).
+- `cores_for_rank`: where nothing bound the ranks to cores, each rank's threads are bound to
+  its own share of the host's cores, as `mpirun` binds ranks; by default under `--sync
+  local/diloco` on CPU-only hosts, whose ranks compute on their own between exchanges.
 
 The user always wins: variables already set (by hand, `hvdtrain-run --cycle-time-ms`,
 `-x`) are kept, HVDTRAIN_HOROVOD_THREAD=idle|batch|normal chooses the scheduling,
@@ -72,10 +43,8 @@ __all__ = [
 
 STEPS_PER_EXECUTION = 16
 CYCLE_TIME_MS = 0.1
-# Under `--sync local/diloco` the ranks meet at exchanges only, every H steps: with Horovod's
-# thread polling every 0.1 ms in between, local SGD on the MNIST MLP at H=64 ran at 0.75 of
-# the ceiling; at 1 ms 0.92 (MPI) and 0.91 (Gloo), at 2 ms 0.87 and 0.88, one round each
-# (python -m hvdtrain.bench.floor --sync 16,64 --backends mpi,gloo, 2026-11-28).
+# Under `--sync local/diloco` the ranks meet every H steps only: a polling thread between
+# exchanges costs the steps (docs/performance.md, "Exchanging less": its table by cycle).
 EXCHANGE_CYCLE_TIME_MS = 1.0
 # The launchers' variables that give the number of ranks before `hvd.init()`.
 _SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
