@@ -115,7 +115,7 @@ import psutil
 before = (sys.excepthook, list(sys.meta_path), dict(os.environ), sorted(sys.modules))
 children = psutil.Process().children(recursive=True)
 import hvdtrain
-names = [getattr(hvdtrain, n) for n in ("ArgumentParser", "CheckpointManager", "get_logger")]
+names = [getattr(hvdtrain, n) for n in ("ArgumentParser", "HvdtrainError", "TrainConfig")]
 after = (sys.excepthook, list(sys.meta_path), dict(os.environ))
 added = {k: v for k, v in after[2].items() if before[2].get(k) != v}
 print("excepthook", after[0] is before[0])

@@ -254,7 +254,8 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
     """An elastic reset calls `begin` again, which refits the outer rate to the new ranks;
     the traced exchange (blocking) and the traced round (overlapped) hold the rate they were
     traced with, so `begin` traces them anew. One process: H=4 fits 0.1, then H=64 0.2; a
-    change of 1 from the anchor moves it by rate x (1 + 0.9) with no momentum yet."""
+    change of 1 from the anchor moves it by rate x (1 + 0.9 x 10) at the first outer step
+    (the momentum's bias correction: 1 / (1 - 0.9))."""
     code = (
         "import numpy as np, tensorflow as tf, hvdtrain\n"
         "from hvdtrain import exchange\n"
@@ -274,6 +275,7 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
         "        s.every = s.mode.every = every\n"
         "        w.assign([1.0])\n"
         "        s.mode.outer.momentum[0].assign([0.0])\n"
+        "        s.mode.steps.count.assign(0)\n"
         "        s.begin(0, 0)\n"
         "        w.assign([0.0])\n"
         "        s.replica.step = 1\n"
@@ -286,7 +288,7 @@ def test_a_restart_that_refits_dilocos_outer_rate_applies_it_in_the_traced_excha
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.split("\n")
     for overlap in ("False", "True"):
-        assert f"{overlap} 0.1 0.19" in lines and f"{overlap} 0.2 0.38" in lines, proc.stdout
+        assert f"{overlap} 0.1 1.0" in lines and f"{overlap} 0.2 2.0" in lines, proc.stdout
 
 
 def test_the_synchronous_exchange_does_nothing_between_steps():
@@ -607,21 +609,24 @@ def _reference(overlap, every, steps, outer_lr=None, momentum=0.0):
     and after the whole exchange at the end. `outer_lr` None: local SGD; else DiLoCo."""
     lr = np.float32(0.1)
     w = [np.ones(3, "float32") for _ in TARGETS]
-    anchor, m = np.ones(3, "float32"), np.zeros(3, "float32")
+    anchor, m, t = np.ones(3, "float32"), np.zeros(3, "float32"), 0
     start, pending, round_start, trace = [x.copy() for x in w], None, 0, []
 
+    def unbias(steps):  # DiLoCo's momentum, bias-corrected after `steps` outer steps
+        return 1 / (1 - momentum**steps) if momentum else 1.0
+
     def move(mean):
-        nonlocal anchor, m
+        nonlocal anchor, m, t
         if outer_lr is None:
             anchor = anchor - mean
         else:
-            m = momentum * m + mean
-            anchor = anchor - outer_lr * (mean + momentum * m)
+            t, m = t + 1, momentum * m + mean
+            anchor = anchor - outer_lr * (mean + momentum * m * unbias(t))
 
     def stand_in(own):  # the outer step on a rank's own change, its momentum left as is
         if outer_lr is None:
             return anchor - own
-        return anchor - outer_lr * (own + momentum * (momentum * m + own))
+        return anchor - outer_lr * (own + momentum * (momentum * m + own) * unbias(t + 1))
 
     for step in range(1, steps + 1):
         w = [x - lr * (x - t) for x, t in zip(w, TARGETS, strict=True)]

@@ -15,7 +15,8 @@ import time
 
 import pytest
 from conftest import ROOT, Lines
-from netns_hosts import NamespaceHosts, cannot_make_namespaces
+
+from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
 
 why_not = cannot_make_namespaces()
 pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]

@@ -4,7 +4,8 @@ import json
 import re
 
 import pytest
-from netns_hosts import NamespaceHosts, cannot_make_namespaces
+
+from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
 
 why_not = cannot_make_namespaces()
 pytestmark = [

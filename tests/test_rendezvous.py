@@ -24,8 +24,8 @@ from horovod.runner.common.util.network import PingRequest
 from horovod.runner.driver.driver_service import HorovodRunDriverService
 from horovod.runner.http.http_server import TOKEN_HEADER, RendezvousServer
 from horovod.runner.task.task_service import HorovodRunTaskService
-from netns_hosts import NamespaceHosts, cannot_make_namespaces
 
+from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
 from hvdtrain.launcher.commands import is_secret, redact_text
 
 JOB = ["-m", "hvdtrain.mnist", "--deterministic", "--epochs", "1", "--limit-samples", "1024",

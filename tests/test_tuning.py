@@ -136,8 +136,12 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
     script.write_text(
         "import os, hvdtrain, horovod.tensorflow as hvd\n"
         "hvdtrain.init(exchanges_rarely='RARELY' in os.environ)\n"
-        "batch = sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH\n"
-        "           for t in os.listdir('/proc/self/task'))\n"
+        "def policy(t):  # a thread may end between the listing and the look\n"
+        "    try:\n"
+        "        return os.sched_getscheduler(int(t))\n"
+        "    except ProcessLookupError:\n"
+        "        return None\n"
+        "batch = sum(policy(t) == os.SCHED_BATCH for t in os.listdir('/proc/self/task'))\n"
         "line = f\"rank {hvd.rank()} {os.environ.get('HOROVOD_CYCLE_TIME')} \"\n"
         "line += f\"{os.environ['OMPI_MCA_mpi_yield_when_idle']} {batch > 0} \"\n"
         'line += f"cores {len(os.sched_getaffinity(0))}\\n"\n'

@@ -1,6 +1,8 @@
 """`Blocking`: the averager of `--sync local/diloco` without `--sync-overlap`: at an exchange
 point every rank sends its change and waits for the ranks' mean."""
 
+import time
+
 import tensorflow as tf
 
 from hvdtrain.exchange import wire
@@ -20,6 +22,7 @@ class Blocking:
     def __init__(self):
         self.replica = self.mode = self.tally = None
         self.per_exchange = 0  # bytes on the wire per exchange
+        self.timings = []  # each exchange's seconds, until taken (`--sync-every auto`)
         self._exchange_fn = None
 
     def attach(self, replica, mode, tally):
@@ -28,10 +31,19 @@ class Blocking:
         self.per_exchange += wire.wire_bytes(replica.state)
 
     def begin(self):
-        """At every (re)start: traced anew (a trace holds DiLoCo's outer rate, which an
-        elastic reset refits), the anchor at the weights."""
-        self._exchange_fn = None
+        """At every (re)start: traced anew, the anchor at the weights."""
+        self.retrace()
         self.start_round()
+
+    def retrace(self):
+        """The exchange traced anew at its next call: a trace holds DiLoCo's outer rate,
+        which an elastic reset or a new H refits."""
+        self._exchange_fn = None
+
+    def take_timings(self):
+        """The seconds of each exchange since the last call."""
+        out, self.timings = self.timings, []
+        return out
 
     def start_round(self):
         """The ranks agree: the anchor at their weights."""
@@ -50,6 +62,7 @@ class Blocking:
         r = self.replica
         if r.in_agreement():
             return False
+        began = time.perf_counter()
         with waiting(self.tally, self.mode.name):
             if self._exchange_fn is None:  # one traced call: eager ops per variable cost more
                 self._exchange_fn = tf.function(self._exchange, autograph=False)
@@ -57,6 +70,7 @@ class Blocking:
             self.tally.bytes += self.per_exchange
             self.tally.exchanges += 1
             r.agreed = r.step
+        self.timings.append(time.perf_counter() - began)
         return True
 
     def whole(self, weight):

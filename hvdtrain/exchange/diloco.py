@@ -32,10 +32,28 @@ class OuterState(tf.Module):
         self.momentum = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
 
 
+class OuterSteps(tf.Module):
+    """How many outer steps DiLoCo has taken (its momentum's bias correction counts them).
+    Checkpointed beside the optimizers, broadcast and committed with them."""
+
+    built = True
+
+    def __init__(self):
+        super().__init__(name="hvdtrain_outer_steps")
+        with tf.init_scope():
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+
 class DiLoCo:
     """The mode of `--sync diloco`: an exchange is an outer Nesterov SGD step
     (`--outer-lr`, else `outer_step`'s; `--outer-momentum`, else 0.9) on the ranks' mean
-    change; no synchronous warmup unless `--sync-warmup-steps` asks for one."""
+    change; no synchronous warmup unless `--sync-warmup-steps` asks for one.
+
+    The momentum is bias-corrected as Adam's is: its sum of the changes so far is divided by
+    1 - momentum^t after t outer steps, so that the first steps move the anchor as far as the
+    steady state does (by the mean change itself with the rule's rate), not by a fifth of it.
+    A run of a few exchanges kept most of its ranks' progress out of the anchor without it
+    (docs/exchanging-less.md, "DiLoCo on a short run")."""
 
     sync = "diloco"
     name = "DiLoCo"
@@ -50,17 +68,29 @@ class DiLoCo:
         self.given = cfg.outer_lr  # None: fitted to H and the ranks at every (re)start
         self.outer_lr, self.outer_from = cfg.outer_lr, "--outer-lr"
         self.outer = None  # `OuterState`, by `attach`
+        self.steps = None  # `OuterSteps`, by `attach`
 
     def attach(self, replica):
         self.outer = OuterState(replica.weights)
+        self.steps = OuterSteps()
 
-    def begin(self, ranks):
+    def begin(self, ranks, every):
+        self.every = every
         if self.given is None:
             self.outer_lr = outer_step(self.every, ranks)
             self.outer_from = f"fitted to H={self.every} and {ranks} ranks"
+        if not int(self.steps.count.numpy()) and any(
+            bool(tf.reduce_any(m != 0)) for m in self.outer.momentum
+        ):  # a checkpoint written before the correction: its momentum is at its steady state
+            self.steps.count.assign(1000)
 
     def holders(self):
-        return {"exchange_outer": self.outer}
+        return {"exchange_outer": self.outer, "exchange_outer_steps": self.steps}
+
+    def _unbias(self, steps):
+        """1 / (1 - momentum^steps): the bias correction after `steps` outer steps."""
+        mu = tf.constant(self.momentum, tf.float32)
+        return 1.0 / (1.0 - tf.pow(mu, tf.cast(steps, tf.float32)))
 
     def default_warmup(self, lr_warmup_steps):
         return 0
@@ -68,15 +98,17 @@ class DiLoCo:
     def move_anchor(self, anchor, mean):
         """Nesterov SGD on the pseudo-gradient `mean`, as torch.optim.SGD(nesterov=True)."""
         mu, lr = self.momentum, self.outer_lr
+        unbias = self._unbias(self.steps.count.assign_add(1)) if mu else 1.0
         for a, m, d in zip(anchor, self.outer.momentum, mean, strict=True):
             m.assign(mu * m + d)
-            a.assign_sub(lr * (d + mu * m))
+            a.assign_sub(lr * (d + mu * m * tf.cast(unbias, m.dtype)))
 
     def stand_in(self, anchor, own):
         """The outer step on `own` as if it were the ranks' mean, its momentum left as is."""
         mu, lr = self.momentum, self.outer_lr
+        unbias = self._unbias(self.steps.count + 1) if mu else 1.0
         return [
-            a - lr * (d + mu * (mu * m + d))
+            a - lr * (d + mu * (mu * m + d) * tf.cast(unbias, m.dtype))
             for a, m, d in zip(anchor, self.outer.momentum, own, strict=True)
         ]
 

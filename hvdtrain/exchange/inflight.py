@@ -43,6 +43,7 @@ class InFlight:
         self.exchange_seconds = 0.0  # the exchanges' own time in their thread
         self.waited_pending = 0.0  # the part of it the steps waited for
         self.asking, self.verdict = False, None
+        self.timings = []  # each exchange's seconds in its thread, until taken
         self._sent = []  # what a round sends: its change and, last, the ask to stop
         self._ask_at = 0  # the buffer (one per dtype) that holds the ask: float32's
         self._reduce_fn = self._point_fn = None
@@ -59,8 +60,18 @@ class InFlight:
         is gone with it), traced anew (DiLoCo's outer rate), a round from the weights."""
         self.pending = None
         self.asking, self.verdict = False, None
-        self._point_fn = None
+        self.retrace()
         self.start_round()
+
+    def retrace(self):
+        """The exchange point traced anew at its next call: a trace holds DiLoCo's outer
+        rate, which an elastic reset or a new H refits."""
+        self._point_fn = None
+
+    def take_timings(self):
+        """The seconds of each exchange (in its thread) landed since the last call."""
+        out, self.timings = self.timings, []
+        return out
 
     def start_round(self):
         """The ranks agree: the anchor and the round's start at their weights."""
@@ -149,6 +160,7 @@ class InFlight:
         (mean, asked), seconds = self.pending.result()
         self.waited_pending += time.perf_counter() - began
         self.exchange_seconds += seconds
+        self.timings.append(seconds)
         self.pending = None
         self.verdict = bool(asked.numpy() > 0)  # the ranks' mean ask: any rank asked
         return mean

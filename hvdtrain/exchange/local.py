@@ -24,8 +24,9 @@ class LocalSGD:
     def attach(self, replica):
         """Once the exchange holds the model (`Replica`)."""
 
-    def begin(self, ranks):
-        """At every (re)start, with the job's number of `ranks`."""
+    def begin(self, ranks, every):
+        """At every (re)start, and where H changes (`--sync-every auto`): the job's number of
+        `ranks`, and H."""
 
     def holders(self):
         """{name: the state it keeps beside the model}: none."""

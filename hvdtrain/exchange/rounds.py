@@ -26,9 +26,10 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdtrain.exchange import wire
+from hvdtrain.exchange.auto import AutoEvery
 from hvdtrain.exchange.callback import ExchangeCallback
 from hvdtrain.optimizers.hooks import Gate, set_gate
-from hvdtrain.runtime import watchdog
+from hvdtrain.runtime import logs, watchdog
 
 __all__ = [
     "Rounds",
@@ -82,6 +83,18 @@ class Replica:
         """The BatchNorm statistics set to the ranks' mean; their bytes on the wire."""
         wire.average_variables(self.state, "hvdtrain.exchange.state")
         return wire.wire_bytes(self.state)
+
+
+class RoundsState(tf.Module):
+    """What a checkpoint keeps of the rounds beside the model: the H in force under `--sync-every
+    auto` (0 until chosen). Broadcast and committed with the optimizers."""
+
+    built = True
+
+    def __init__(self):
+        super().__init__(name="hvdtrain_rounds")
+        with tf.init_scope():
+            self.every = tf.Variable(0, dtype=tf.int64, trainable=False)
 
 
 class Tally:
@@ -138,6 +151,12 @@ class Rounds:
         self.syncing = True  # the gate's value, mirrored: no read of the variable per call
         self.at_point = False  # whether the last execution ended at an exchange point
         self.weight = None  # this round's change x this in the ranks' mean (its share)
+        # --sync-every auto: H measured as the run goes (`hvdtrain.exchange.auto`).
+        self.auto = None
+        if cfg.sync_every == "auto":
+            self.auto = AutoEvery(averager.overlap, revisit=not cfg.deterministic)
+        self.state = None  # `RoundsState`, by `attach`
+        self._clocked = None  # the step of the epoch the last timed execution ended at
 
     # -- the Exchange interface ------------------------------------------------------------
     def configure(self, policy, steps_per_execution, sharing):
@@ -146,6 +165,8 @@ class Rounds:
         self.sharing = sharing
         default = sharing.execution_steps(steps_per_execution, self.every)
         self.unit = fitting_steps_per_execution(default, self.every)
+        if self.auto is not None:
+            self.every = self.auto.start(self.unit)
         return self.unit
 
     def attach(self, model, optimizers):
@@ -156,7 +177,8 @@ class Rounds:
         self.replica = Replica(model, self.optimizers, self.compression)
         self.mode.attach(self.replica)
         self.averager.attach(self.replica, self.mode, self.tally)
-        return self.mode.holders()
+        self.state = RoundsState()
+        return {**self.mode.holders(), "exchange_rounds": self.state}
 
     def begin(self, start_step, lr_warmup_steps):
         flag = self.warmup_flag
@@ -165,7 +187,10 @@ class Rounds:
         self.gate.on.assign(self.syncing)
         r = self.replica
         r.step = r.agreed = r.agreed_whole = start_step
-        self.mode.begin(hvd.size())  # (an elastic reset: the ranks may be more or fewer)
+        kept = int(self.state.every.numpy())
+        if self.auto is not None and kept and kept in self.auto.options:  # a resume
+            self.auto.chosen = self.every = kept
+        self.mode.begin(hvd.size(), self.every)  # (an elastic reset: the ranks may change)
         self.averager.begin()
         self.sharing.plan(self.every, self.unit, self.warmup)
 
@@ -186,7 +211,10 @@ class Rounds:
         return self.averager.ready_to_commit(lambda: self.now(whole=True))
 
     def describe(self):
-        out = f"{self.mode.name} every {self.every} steps"
+        every = self.every
+        if self.auto is not None:
+            every = f"auto (from {self.every}, up to {self.auto.options[-1]}: measured)"
+        out = f"{self.mode.name} every {every} steps"
         if self.warmup:
             out += f" after {self.warmup} synchronous"
         if self.sharing.per_epoch:
@@ -207,6 +235,7 @@ class Rounds:
             "bytes_sent": self.tally.bytes,
             "waited_seconds": round(self.tally.waited, 4),
             **self.averager.figures(),
+            **({"auto": self.auto.summary()} if self.auto is not None else {}),
         }
 
     def rank_figures(self):
@@ -221,6 +250,7 @@ class Rounds:
         rank's last epoch may have ended past the epoch's start: the step counts set to it,
         and each optimizer's steps moved by as much (its learning rate follows them)."""
         self.sharing.begin_epoch(timed=global_step >= self.warmup)  # no synchronous step
+        self._clocked = None
         r = self.replica
         if not self.in_agreement():
             return
@@ -233,6 +263,10 @@ class Rounds:
     def clock(self, step_in_epoch, seconds):
         """After each execution: its `seconds`, from Keras's start of it to its end."""
         self.sharing.clock(step_in_epoch, seconds)
+        if self.auto is not None and not self.syncing:  # local steps, the epoch's first left out
+            if self._clocked is not None and step_in_epoch > self._clocked:
+                self.auto.step_seconds.append(seconds / (step_in_epoch - self._clocked))
+            self._clocked = step_in_epoch
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is
@@ -248,15 +282,50 @@ class Rounds:
                 self.averager.start_round()
             return False
         self.at_point = self.sharing.exchange_due(step_in_epoch, steps_per_epoch, self.every)
-        if self.at_point:
-            self.weight = self.sharing.weight_at(step_in_epoch)
-            return self.now()
-        return False
+        if not self.at_point:
+            return False
+        self.weight = self.sharing.weight_at(step_in_epoch)
+        exchanged = self.now()
+        if self.auto is not None:
+            self.auto.exchange_seconds += self.averager.take_timings()
+            if self.auto.due(epoch_end=False):
+                self._choose()
+        return exchanged
 
     def epoch_ends(self):
         """At an epoch's end, after its whole exchange (every rank): the ranks' speeds
-        gathered for the next epoch's shares (`--sync-balance`)."""
+        gathered for the next epoch's shares (`--sync-balance`), H chosen again (auto)."""
         self.sharing.gather(lambda s: hvd.allgather_object(s, name="hvdtrain.shares"))
+        if self.auto is not None:
+            self.auto.exchange_seconds += self.averager.take_timings()
+            if self.auto.due(epoch_end=True):
+                self._choose()
+
+    def _choose(self):
+        """`--sync-every auto`: H agreed from the ranks' measurements, in force from here."""
+        r = self.replica
+
+        def agree_max(x):
+            return hvd.allreduce(tf.constant(x, tf.float64), op=hvd.Max, name="hvdtrain.auto")
+
+        before, h = self.every, self.auto.choose(agree_max, r.step)
+        self.every = h
+        self.state.every.assign(h)
+        self.mode.begin(hvd.size(), h)  # DiLoCo's outer rate follows H unless given
+        self.averager.retrace()
+        self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
+        m = self.auto.measured
+        logs.get_logger(hvd.rank()).info(
+            "--sync-every auto at step %d: an exchange %.1f ms, a step %.2f ms (%.1f steps): "
+            "H=%d%s%s",
+            r.step,
+            1000 * m["exchange_seconds"],
+            1000 * m["step_seconds"],
+            m["ratio"],
+            h,
+            f" (was {before})" if h != before else "",
+            f"; no H up to {h} hides it (the cap)" if self.auto.capped else "",
+        )
 
     def in_agreement(self):
         return self.averager.in_agreement()

@@ -67,8 +67,11 @@ def hooks_of(optimizer):
 
 
 def set_gate(optimizer, gate):
-    """Makes `optimizer` average its gradients only while `gate` is on (None: always)."""
-    hooks_of(optimizer).gate = gate
+    """Makes `optimizer` average its gradients only while `gate` is on (None: always); an
+    optimizer that hvdtrain did not make averages nothing, and is left as it is."""
+    hooks = hooks_of(optimizer)
+    if hooks is not None:
+        hooks.gate = gate
 
 
 class Gate:

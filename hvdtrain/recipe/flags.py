@@ -25,6 +25,7 @@ __all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS", "SYNC_MOD
 PROGRESS = ("auto", "bar", "lines", "off")
 SYNC_MODES = ("step", "local", "diloco")
 SYNC_EVERY = 16  # --sync-every's default under --sync local/diloco
+AUTO = "auto"  # --sync-every auto: H chosen by measurement (`hvdtrain.exchange.auto`)
 OUTER = ("outer_lr", "outer_momentum")  # DiLoCo's outer Nesterov SGD (exchange.outer_step)
 
 
@@ -65,7 +66,9 @@ class TrainConfig:
         sync: how the ranks exchange (`hvdtrain.exchange`): "step" averages the gradients
             of every step (the default); "local" (post-local SGD) and "diloco" let each rank
             take `sync_every` steps on its own between exchanges of weights.
-        sync_every: H, the local steps between two exchanges (default 16).
+        sync_every: H, the local steps between two exchanges (default 16), or "auto": the
+            smallest H whose exchange fits in a round's steps, measured as the run goes
+            (`hvdtrain.exchange.auto`).
         sync_warmup_steps: synchronous steps before the local ones (default: the learning
             rate's warmup under "local", none under "diloco").
         outer_lr: DiLoCo's outer learning rate (default: fitted to `sync_every` and the
@@ -102,7 +105,7 @@ class TrainConfig:
     elastic: bool = False
     commit_every: int = 10
     sync: str = "step"
-    sync_every: int | None = None
+    sync_every: int | str | None = None
     sync_warmup_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -154,8 +157,9 @@ class TrainConfig:
 
     @property
     def exchange_every(self):
-        """H under `--sync local/diloco`: `sync_every`, else its default (16)."""
-        return self.sync_every or SYNC_EVERY
+        """H under `--sync local/diloco`: `sync_every`, else its default (16); under `auto`
+        the H it starts from."""
+        return self.sync_every if self.sync_every not in (None, AUTO) else SYNC_EVERY
 
     def float16_refused(self):
         """The refusal of float16 (loss scaling) under `--sync local/diloco`: raised here for
@@ -172,8 +176,9 @@ def _check_sync(c):
     """The one-line refusals of `--sync` and its knobs (pure: `hvdtrain.exchange` runs them)."""
     if c.sync not in SYNC_MODES:
         raise invalid_value("--sync", c.sync, ", ".join(SYNC_MODES))
-    if c.sync_every is not None:
-        _positive(c, "sync_every")
+    if c.sync_every is not None and c.sync_every != AUTO:
+        if not (_integer(c.sync_every) and c.sync_every >= 1):
+            raise invalid_value("--sync-every", c.sync_every, "a positive integer or auto")
     if c.sync_warmup_steps is not None and not (
         _integer(c.sync_warmup_steps) and c.sync_warmup_steps >= 0
     ):
@@ -209,7 +214,7 @@ def _check_sync(c):
             if getattr(c, name):
                 raise invalid_value("--sync-balance", True, f"no value with {_flag(name)}: {why}")
     spe, every = c.steps_per_execution, c.exchange_every
-    if spe is not None and every % spe:
+    if spe is not None and every % spe and c.sync_every != AUTO:
         raise invalid_value(
             "--steps-per-execution",
             spe,
@@ -243,6 +248,18 @@ def _integer(value):
 
 def _number(value):
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _every(text):
+    """`--sync-every`'s value: "auto", or the text as an integer (checked with the config)."""
+    if text.strip() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"received {text!r}; expected a positive integer or auto"
+        ) from None
 
 
 def _positive(config, name):
@@ -419,7 +436,8 @@ def _add_training_flags(p, d):
         help="step: average gradients at every step; local: post-local SGD; diloco: DiLoCo "
         f"({d.sync})",
     )
-    flag(x, "sync_every", f"local steps between exchanges of weights (default {SYNC_EVERY})")
+    flag(x, "sync_every", "local steps between exchanges of weights, or auto: the smallest that "
+         f"hides the exchange, measured (default {SYNC_EVERY})", type=_every)  # fmt: skip
     flag(
         x,
         "sync_warmup_steps",

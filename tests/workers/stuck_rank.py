@@ -101,6 +101,7 @@ def build():
 
 
 x = np.ones((256, 4), "float32")
+args = hvdtrain.ArgumentParser(epochs=3, steps_per_execution=1).parse_args()
 if where == "raise-early":  # before hvd.init(): the rank and size from the launcher
     from hvdtrain.errors import env_rank
     from hvdtrain.runtime.tuning import launcher_size
@@ -108,6 +109,5 @@ if where == "raise-early":  # before hvd.init(): the rank and size from the laun
     wait_for_every_rank_to_print(env_rank(), launcher_size(os.environ) or 1)
     check_labels([])
 data = hvdtrain.BatchData(Batches(), shuffle=False) if where == "data" else (x, x[:, 0])
-args = hvdtrain.ArgumentParser(epochs=3, steps_per_execution=1).parse_args()
 callbacks = {"callback": [Sleepy()], "raise": [Raising()]}.get(where, [])
 hvdtrain.fit(build, data, args, callbacks=callbacks)

@@ -1,7 +1,11 @@
-"""Test hosts as Linux network namespaces, each with its own address, hostname and sshd.
+"""Hosts as Linux network namespaces on one machine, each with its own address, hostname and
+sshd, their links shaped or cut at will: what the tests and the benchmarks across hosts run
+on (root only).
 
     with NamespaceHosts(2, workdir) as hosts:
+        hosts.shape(100)                     # every host's link at 100 Mbit/s (tbf)
         hosts.run(0, ["horovodrun", "-np", "2", "-H", hosts.hostlist(1), ...])
+        hosts.cut(1); hosts.restore(1)       # host 1's network down, then up again
 
 Each host is a network namespace (`ip netns`) joined to a bridge by a veth pair renamed
 `eth0` (Horovod needs one interface name on all hosts), a UTS namespace with its own
@@ -16,7 +20,7 @@ import subprocess
 import sys
 
 SUBNET = "10.231.{}.{}"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cannot_make_namespaces():
@@ -191,6 +195,28 @@ class NamespaceHosts:
             # sshd may not listen yet: wait for it to answer, bounded by `retries`.
             subprocess.run(["sleep", "0.2"])
         return proc
+
+    def shape(self, mbit=None, hosts=None):
+        """Each host's link (of `hosts`, default all) rate-limited to `mbit` Mbit/s where it
+        leaves the host (Linux's `tbf` qdisc on its eth0; so both directions between two
+        shaped hosts), or back to full speed with None. The burst and queue are sized to
+        the rate: a queue of 50 ms, a burst of at least 64 kB."""
+        for i in range(self.count) if hosts is None else hosts:
+            ns = ["ip", "netns", "exec", self.names[i], "tc", "qdisc"]
+            if mbit is None:
+                _sh(*ns, "del", "dev", "eth0", "root", check=False)
+                continue
+            burst = max(64, int(mbit * 1000 / 8 * 0.004))  # kB: 4 ms at the rate
+            _sh(*ns, "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit",
+                "burst", f"{burst}kb", "latency", "50ms")  # fmt: skip
+
+    def cut(self, i):
+        """Host i's network down: its processes live on, their connections go silent."""
+        _sh("ip", "netns", "exec", self.names[i], "ip", "link", "set", "eth0", "down")
+
+    def restore(self, i):
+        """Host i's network up again (after `cut`)."""
+        _sh("ip", "netns", "exec", self.names[i], "ip", "link", "set", "eth0", "up")
 
     def pids(self, i):
         """The pids of every process in host i's network namespace."""

@@ -1,0 +1,274 @@
+"""The exchange modes where the wire is the limit: ranks on namespace hosts (one each) whose
+links are rate-limited with Linux's `tbf` (root only), each job as a user runs it
+(`hvdtrain-run -H a:1,b:1 -- python -m hvdtrain.mnist ...`), beside the ceiling of the same
+run: the same ranks unconnected, each host training its share alone.
+
+    python -m hvdtrain.bench.links --data-dir ../shared/mnist --out out/links
+    python -m hvdtrain.bench.links --hosts 3 --links 100 --models mlp --every 16,64
+    python -m hvdtrain.bench.links --quick --out out/links-quick        # the smoke run
+
+For every number of hosts, link rate (Mbit/s) and model: the ceiling, the synchronous job,
+the same with `--fp16-allreduce`, local SGD and DiLoCo blocking and overlapped at each H, and
+both overlapped with `--sync-every auto`. A job's figure is the median samples/s of its epochs
+after the first (rank 0's epoch lines: the steps with their exchanges, not the evaluation);
+each job's samples are sized from the projection so that its epochs take about `--seconds`.
+Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
+bytes each rank puts on its link per sample it trains, and the projection's figure for the
+same link (`hvdtrain.bench.project.efficiency`, from the ceiling's step and the bytes).
+`links.json` (every job's figures) and `links.md` (the tables) go to `--out`. The machine's
+cores are shared by every host: three ranks on two cores compute slower than two, in the
+ceiling as in the jobs.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from hvdtrain.bench.modes import epoch_rates, steady
+from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
+from hvdtrain.bench.project import GBIT, efficiency
+from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.errors import main as cli_main
+
+__all__ = ["main", "plan", "samples_for", "wire_bytes_per_sample", "markdown", "PARAMS"]
+
+PROG = "python -m hvdtrain.bench.links"
+CEILING = "ceiling"
+PARAMS = {"mlp": 269_322, "convnet": 1_199_882}  # float32 parameters of hvdtrain.models
+_BATCH = 64
+
+
+def plan(every, modes=("local", "diloco"), auto=True):
+    """One cell's jobs: [(label, flags)], the ceiling first (flags None). Pure."""
+    out = [(CEILING, None), ("step", []), ("step fp16", ["--fp16-allreduce"])]
+    for mode in modes:
+        for h in every:
+            flags = ["--sync", mode, "--sync-every", str(h)]
+            out += [(f"{mode} H={h}", flags), (f"{mode} H={h} overlap", flags + ["--sync-overlap"])]
+        if auto:
+            flags = ["--sync", mode, "--sync-every", "auto", "--sync-overlap"]
+            out.append((f"{mode} auto overlap", flags))
+    return out
+
+
+def _h(label):
+    """(H, overlapped) of a job's label; H 1 for the synchronous job, None for auto."""
+    m = re.search(r"H=(\d+)", label)
+    h = int(m.group(1)) if m else (None if "auto" in label else 1)
+    return h, "overlap" in label
+
+
+def predicted(label, model, ranks, mbit, step_seconds, every=None):
+    """The projection's share of the ceiling for a job: one exchange of the model's float32
+    parameters (fp16: half) every H steps on a ring of `ranks` over links of `mbit`. Pure."""
+    h, overlap = _h(label)
+    h = every or h or 16
+    nbytes = PARAMS[model] * (2 if "fp16" in label else 4)
+    return efficiency(step_seconds, nbytes, ranks, mbit * GBIT / 1000, h, overlap)
+
+
+def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):
+    """Training samples per epoch for a job expected at `rate` samples/s to take about
+    `seconds` an epoch: whole rounds of H steps on every rank, at least two, within
+    [least, most]. Pure."""
+    round_ = ranks * _BATCH * max(every or 16, 16)
+    n = min(most, max(least, 2 * round_, int(rate * seconds)))
+    return max(round_, n // round_ * round_)
+
+
+def wire_bytes_per_sample(sync, model, ranks, samples, epochs):
+    """Bytes each rank puts on its link per sample it trains (a ring allreduce sends 2 (n -
+    1) / n of what it averages): from the metrics JSON's `sync` section, or, for the
+    synchronous job, the gradient of every step. Pure."""
+    ring = 2 * (ranks - 1) / ranks
+    if sync.get("mode", "step") == "step":
+        return ring * PARAMS[model] * (2 if sync.get("fp16") else 4) / _BATCH
+    return ring * sync["bytes_sent"] / (samples * epochs / ranks)
+
+
+def _mnist(args, model, samples, extra):
+    return [sys.executable, "-m", "hvdtrain.mnist", "--model", model, "--epochs",
+            str(args.epochs), "--batch-size", str(_BATCH), "--lr-decay", "none",
+            "--limit-samples", str(samples), "--progress", "off",
+            *(["--data-dir", args.data_dir] if args.data_dir else []), *extra]  # fmt: skip
+
+
+def _ceiling(hosts, args, model):
+    """Every host trains its share alone, all at once: their rates summed."""
+    share = args.ceiling_samples // hosts.count
+    procs = [
+        subprocess.Popen(hosts._in(i, _mnist(args, model, share, [])), env=hosts.env(**_ENV),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(hosts.count)
+    ]  # fmt: skip
+    rates = []
+    for proc in procs:
+        text = proc.communicate(timeout=args.timeout)[0]
+        rate = steady(epoch_rates(text))
+        if proc.returncode != 0 or rate is None:
+            raise HvdtrainError(
+                f"the ceiling's job failed (exit {proc.returncode}): {text[-1500:]}"
+            )
+        rates.append(rate)
+    return sum(rates)
+
+
+def _job(hosts, args, model, samples, flags, metrics):
+    run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
+    argv = [run, "--backend", args.backend, "-H", hosts.hostlist(1), "--",
+            *_mnist(args, model, samples, ["--metrics-json", metrics, *flags])]  # fmt: skip
+    proc = hosts.run(0, argv, timeout=args.timeout, **_ENV)
+    rate = steady(epoch_rates(proc.stderr + proc.stdout))
+    if proc.returncode != 0 or rate is None:
+        raise HvdtrainError(f"{' '.join(argv[4:])} failed (exit {proc.returncode}): "
+                            f"{proc.stderr[-1500:]}")  # fmt: skip
+    with open(metrics) as f:
+        return rate, json.load(f)
+
+
+_ENV = {"HVDTRAIN_OFFLINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _cell(hosts, args, model, mbit, log):
+    """The jobs of one (hosts, link, model) cell: [{label, rate, of_ceiling, ...}]."""
+    hosts.shape(None)
+    ceiling = _ceiling(hosts, args, model)
+    step_seconds = _BATCH / (ceiling / hosts.count)  # one rank's step, alone
+    log(f"{hosts.count} hosts, {model}: ceiling {ceiling:,.0f} samples/s "
+        f"({1000 * step_seconds:.2f} ms a step)")  # fmt: skip
+    hosts.shape(mbit)
+    rows = []
+    try:
+        for label, flags in plan(args.every, args.modes)[1:]:
+            h, _ = _h(label)
+            guess = ceiling * predicted(label, model, hosts.count, mbit, step_seconds)
+            samples = samples_for(guess, args.seconds, hosts.count, h)
+            metrics = os.path.join(args.out, f"{hosts.count}h-{mbit}-{model}-{label}.json")
+            metrics = metrics.replace(" ", "_")
+            try:
+                rate, m = _job(hosts, args, model, samples, flags, metrics)
+            except (HvdtrainError, subprocess.TimeoutExpired) as e:
+                log(f"  {label}: failed: {str(e)[:300]}")
+                rows.append({"label": label, "error": str(e)[:2000]})
+                continue
+            sync = m.get("sync") or {}
+            chosen = (sync.get("auto") or {}).get("chosen")
+            row = {
+                "label": label, "rate": rate, "of_ceiling": rate / ceiling, "samples": samples,
+                "hidden": sync.get("exchange_hidden"), "auto": sync.get("auto"),
+                "bytes_per_sample": wire_bytes_per_sample(sync, model, hosts.count, samples,
+                                                          args.epochs),
+                "predicted": predicted(label, model, hosts.count, mbit, step_seconds, chosen),
+                "test_accuracy": m.get("test_accuracy"),
+            }  # fmt: skip
+            rows.append(row)
+            log(
+                f"  {label}: {rate:,.0f} samples/s, {row['of_ceiling']:.2f} of the ceiling "
+                f"(projected {row['predicted']:.2f})" + (f", H={chosen}" if chosen else "")
+            )
+    finally:
+        hosts.shape(None)
+    return {"ceiling": ceiling, "step_seconds": step_seconds, "jobs": rows}
+
+
+def markdown(cells):
+    """The tables: one per (hosts, model), a column pair per link. Pure."""
+    out = []
+    groups = {}
+    for c in cells:
+        groups.setdefault((c["hosts"], c["model"]), []).append(c)
+    for (hosts, model), group in sorted(groups.items()):
+        links = [c["mbit"] for c in group]
+        out.append(f"\n{hosts} hosts, {model}, batch {_BATCH} a rank; of the ceiling (the "
+                   "projection's figure), exchanged bytes per sample a rank:\n")  # fmt: skip
+        head = " | ".join(f"{m} Mbit/s" for m in links)
+        out += [f"| job | {head} |", "|---" * (len(links) + 1) + "|"]
+        out.append("| ceiling, samples/s | " +
+                   " | ".join(f"{c['ceiling']:,.0f}" for c in group) + " |")  # fmt: skip
+        labels = [j["label"] for j in group[0]["jobs"]]
+        for label in labels:
+            cols = []
+            for c in group:
+                j = next((j for j in c["jobs"] if j["label"] == label), {})
+                if "rate" not in j:
+                    cols.append("failed")
+                    continue
+                text = (
+                    f"{j['of_ceiling']:.2f} ({j['predicted']:.2f}), {j['bytes_per_sample']:,.0f} B"
+                )
+                if j.get("hidden") is not None:
+                    text += f", {j['hidden']:.0%} hidden"
+                if j.get("auto"):
+                    text += f", H={j['auto']['chosen']}"
+                cols.append(text)
+            out.append(f"| {label} | " + " | ".join(cols) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _run(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--data-dir", help="the four MNIST IDX files (else the embedded digits)")
+    p.add_argument("--out", default="out/links")
+    p.add_argument("--hosts", default="2,3", help="numbers of namespace hosts, one rank each")
+    p.add_argument("--links", default="1000,100,10", help="link rates, Mbit/s")
+    p.add_argument("--models", default="mlp,convnet")
+    p.add_argument("--every", default="4,16,64,256", help="the H values")
+    p.add_argument("--modes", default="local,diloco")
+    p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
+    p.add_argument("--epochs", type=int, default=3, help="per job; the first is not timed")
+    p.add_argument("--seconds", type=float, default=12.0, help="about this long an epoch")
+    p.add_argument("--ceiling-samples", type=int, default=12_800, help="the ceiling's, in all")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per job")
+    p.add_argument("--quick", action="store_true", help="the smoke run: 2 hosts, 100 Mbit/s")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hosts, args.links, args.models, args.every = "2", "100", "mlp", "16"
+        args.modes, args.epochs, args.seconds = "local", 2, 3.0
+    why = cannot_make_namespaces()
+    if why:
+        raise HvdtrainError(f"{PROG} needs namespace hosts: {why}")
+    try:
+        hosts_ = [int(x) for x in args.hosts.split(",")]
+        links = [int(x) for x in args.links.split(",")]
+        args.every = [int(x) for x in args.every.split(",")]
+    except ValueError:
+        raise invalid_value(
+            "--hosts, --links or --every", argv, "comma-separated integers"
+        ) from None
+    models = args.models.split(",")
+    if set(models) - set(PARAMS):
+        raise invalid_value("--models", args.models, ", ".join(PARAMS))
+    args.modes = args.modes.split(",")
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(text):
+        print(text, file=sys.stderr, flush=True)
+
+    cells = []
+    for n in hosts_:
+        with tempfile.TemporaryDirectory() as work, NamespaceHosts(n, work) as hosts:
+            for model in models:
+                for mbit in links:
+                    log(f"{n} hosts, {model}, {mbit} Mbit/s")
+                    cell = _cell(hosts, args, model, mbit, log)
+                    cells.append({"hosts": n, "model": model, "mbit": mbit, **cell})
+                    with open(os.path.join(args.out, "links.json"), "w") as f:
+                        json.dump({"args": vars(args), "cells": cells}, f, indent=1)
+    text = markdown(cells)
+    with open(os.path.join(args.out, "links.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+def main(argv=None):
+    return cli_main(_run, argv, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`--sync-every auto`: H chosen by measurement, so that the exchange hides behind the steps.
+
+    hvdtrain-run --hostfile hosts.txt -- python train.py --sync local --sync-every auto
+
+The run starts at the smallest candidate H (a multiple of its steps per execution, 16 by
+default) and times what it does: each local step (Keras's executions, the first of an epoch
+left out) and each exchange (blocking: the steps' wait for it; overlapped: the exchange's own
+time in its thread). After its first `PROBE` exchanges, and again at each epoch's end unless
+`--deterministic`, the ranks agree on the largest ratio of an exchange to a step and take the
+smallest H for which
+
+- blocking: the exchange is at most `MARGINS[False]` (10 %) of a round (H steps and it);
+- overlapped: the exchange in flight takes at most `MARGINS[True]` (75 %) of a round's
+  steps (the rest is the exchange point's own work and the steps' variation),
+
+up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
+cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
+and reported on rank 0 as it is chosen and in the metrics JSON (`sync.auto`).
+"""
+
+import statistics
+
+__all__ = ["AutoEvery", "CAP", "MARGINS", "PROBE", "candidates", "choose"]
+
+CAP = 256  # the largest H auto takes (docs/exchanging-less.md, "Accuracy at the H a link needs")
+MARGINS = {False: 0.1, True: 0.75}  # {overlapped: the share of a round the exchange may take}
+PROBE = 3  # exchanges timed before the first choice
+SMALLEST = 4  # below it, `--sync step` exchanges as little per sample at no loss
+
+
+def candidates(unit, cap=CAP):
+    """The H auto chooses from: powers of two times `unit` (the steps per execution: the
+    ranks exchange at an execution's end), from `SMALLEST` (or `unit`) to `cap`. Pure."""
+    h = unit
+    while h < SMALLEST:
+        h *= 2
+    out = [h]
+    while out[-1] * 2 <= cap:
+        out.append(out[-1] * 2)
+    return out
+
+
+def choose(ratio, options, overlap):
+    """(the smallest H of `options` whose exchange fits, whether none did and the largest
+    was taken) for an exchange of `ratio` steps' time. Pure."""
+    margin = MARGINS[bool(overlap)]
+    for h in options:
+        fits = ratio <= margin * h if overlap else ratio <= margin / (1 - margin) * h
+        if fits:
+            return h, False
+    return options[-1], True
+
+
+class AutoEvery:
+    """The measurements and choices of one run's `--sync-every auto` (see the module).
+
+    Args:
+        overlap: whether the exchange is in flight (`--sync-overlap`).
+        revisit: choose again at every epoch's end (not under `--deterministic`).
+    """
+
+    def __init__(self, overlap, revisit):
+        self.overlap, self.revisit = bool(overlap), bool(revisit)
+        self.options = []  # the candidates, by `start`
+        self.step_seconds = []  # a local step's seconds, per execution timed since the choice
+        self.exchange_seconds = []  # each exchange's seconds since the last choice
+        self.chosen = None  # the H in force once measured, else None
+        self.measured = None  # what the last choice was made from
+        self.capped = False  # whether no H fitted and the cap was taken
+        self.choices = []  # [[global step, H]] of every choice
+
+    def start(self, unit):
+        """The candidates for executions of `unit` steps; returns the H to start from."""
+        self.options = candidates(unit)
+        return self.chosen or self.options[0]
+
+    def due(self, epoch_end):
+        """Whether to choose now (the same on every rank: it counts exchanges only)."""
+        if not self.exchange_seconds:
+            return False
+        if self.chosen is None:
+            return epoch_end or len(self.exchange_seconds) >= PROBE
+        return epoch_end and self.revisit
+
+    def choose(self, agree_max, step):
+        """The H the ranks agree on (`agree_max(x)`: a collective, the largest x of all
+        ranks), from what was timed since the last choice; then timed anew."""
+        exchange = statistics.median(self.exchange_seconds)
+        own = statistics.median(self.step_seconds) if self.step_seconds else 0.0
+        ratio = exchange / own if own > 0 else float(self.options[-1])
+        ratio = float(agree_max(ratio))
+        h, self.capped = choose(ratio, self.options, self.overlap)
+        self.measured = {
+            "exchange_seconds": round(exchange, 5),
+            "step_seconds": round(own, 6),
+            "ratio": round(ratio, 3),
+            "exchanges": len(self.exchange_seconds),
+        }
+        self.chosen = h
+        self.choices.append([int(step), h])
+        self.step_seconds, self.exchange_seconds = [], []
+        return h
+
+    def summary(self):
+        return {
+            "chosen": self.chosen,
+            "measured": self.measured,
+            "margin": MARGINS[self.overlap],
+            "candidates": self.options,
+            "cap": CAP,
+            "capped": self.capped,
+            "revisited": self.revisit,
+            "choices": self.choices,
+        }
