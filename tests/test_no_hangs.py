@@ -525,6 +525,7 @@ def test_stopped_ranks_are_the_stopped_descendants_with_a_rank():
     import signal
 
     from hvdtrain.launcher.supervise import _stopped_ranks
+    from hvdtrain.runtime import processes
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     ranks = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -538,7 +539,7 @@ def test_stopped_ranks_are_the_stopped_descendants_with_a_rank():
         deadline = time.monotonic() + 10  # the state changes as the signal is delivered
         while not _stopped_ranks(os.getpid()) and time.monotonic() < deadline:
             pass
-        assert _stopped_ranks(os.getpid()) == {ranked.pid: 3}
+        assert _stopped_ranks(os.getpid()) == {processes.record(ranked.pid): 3}
         assert _stopped_ranks(plain.pid) == {}  # not a descendant of it
     finally:
         for proc in (ranked, plain):

@@ -52,6 +52,7 @@ import uuid
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
+from hvdtrain.runtime import processes
 
 __all__ = [
     "KINDS",
@@ -279,51 +280,27 @@ def digest_line(reference, final):
 # -- processes and folders -----------------------------------------------------------------
 
 
-def _environ(pid):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
-
-
 def job_processes(marker):
-    """{pid: environment (a list of bytes)} of the living processes of the job `marker`."""
-    tag = f"{MARKER}={marker}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            env = _environ(entry)
-            if tag in env and _state(entry) not in (None, "Z", "X"):
-                found[int(entry)] = env
-    return found
+    """{`processes.Recorded`: environment (a dict)} of the living processes of the job
+    `marker` (`MARKER` in their environment)."""
+    return processes.marked(MARKER, marker)
+
+
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 def rank_pid(marker, rank):
-    """The process id of rank `rank` of the job `marker`, or None (not started yet)."""
-    for pid, env in job_processes(marker).items():
-        for var in (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK="):
-            value = next((e[len(var) :] for e in env if e.startswith(var)), None)
-            if value == str(rank).encode() and _is_python(pid):
-                return pid
+    """The rank `rank` of the job `marker` (a `processes.Recorded`), or None (not started
+    yet)."""
+    for process, env in job_processes(marker).items():
+        if any(env.get(var) == str(rank) for var in _RANK_VARIABLES) and _is_python(process):
+            return process
     return None
 
 
-def _is_python(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            first = f.read().split(b"\0")[0]
-    except OSError:
-        return False
-    return os.path.basename(first).startswith(b"python")
+def _is_python(process):
+    argv = processes.command_line(process.pid)
+    return bool(argv) and os.path.basename(argv[0]).startswith("python")
 
 
 def complete_checkpoints(folder):
@@ -432,11 +409,7 @@ class _Job:
                 return 0
             time.sleep(0.1)
         left = job_processes(self.marker)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        processes.send_all(left, signal.SIGKILL)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -594,8 +567,10 @@ class _Chaos:
                     )
                 elif kind == "full-disk":
                     filler = _fill(ckpt)
-                elif target is not None:
-                    os.kill(target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL)
+                elif target is not None and not processes.send(
+                    target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL
+                ):
+                    target = None  # it ended meanwhile
                 record["injected"] = kind == "full-disk" or target is not None or "launcher" in kind
             except ProcessLookupError:
                 pass
@@ -642,11 +617,12 @@ class _Chaos:
         return code, record
 
     def _rank_pid(self, job, rank):
-        """The rank's process, waiting for it to start (up to the end of the job)."""
+        """The rank's process (`processes.Recorded`), waiting for it to start (up to the end
+        of the job)."""
         while job.proc.poll() is None:
-            pid = rank_pid(job.marker, rank)
-            if pid:
-                return pid
+            process = rank_pid(job.marker, rank)
+            if process:
+                return process
             time.sleep(0.1)
         return None
 
