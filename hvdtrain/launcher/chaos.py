@@ -52,7 +52,9 @@ import uuid
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
+from hvdtrain.launcher.hosts import MAX_PROCESSES
 from hvdtrain.runtime import processes
+from hvdtrain.runtime.numbers import whole_number_type
 
 __all__ = [
     "KINDS",
@@ -635,15 +637,19 @@ def _parse(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("-np", "--num-proc", dest="np", default="2", metavar="N", help="default 2")
-    p.add_argument("--faults", default="7", metavar="N", help="faults to inject (default 7)")
-    p.add_argument("--seed", default="0", metavar="S", help="draws the faults (default 0)")
+    p.add_argument("-np", "--num-proc", dest="np", default=2, metavar="N", help="default 2",
+                   type=whole_number_type("-np", maximum=MAX_PROCESSES, bound=True))  # fmt: skip
+    p.add_argument("--faults", default=7, metavar="N", help="faults to inject (default 7)",
+                   type=whole_number_type("--faults", 0))  # fmt: skip
+    p.add_argument("--seed", default=0, metavar="S", help="draws the faults (default 0)",
+                   type=whole_number_type("--seed", 0))  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "mpi", "mpirun"), help="hvdtrain-run's")
     p.add_argument("--kinds", metavar="K,K", help="default: " + ",".join(KINDS))
     p.add_argument(
         "--stall-seconds",
-        default=str(STALL_SECONDS),
+        default=STALL_SECONDS,
         metavar="S",
+        type=whole_number_type("--stall-seconds"),
         help=f"HVDTRAIN_STALL_SHUTDOWN_SECONDS for the runs (default {STALL_SECONDS})",
     )
     p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
@@ -657,12 +663,6 @@ def _parse(argv):
             "no command to run; expected e.g. `hvdtrain-run chaos -np 2 --faults 3 -- python "
             "-m hvdtrain.mnist --epochs 2`"
         )
-    for name, minimum in (("np", 1), ("faults", 0), ("seed", 0), ("stall_seconds", 1)):
-        text = getattr(args, name)
-        flag = "--" + name.replace("_", "-") if name != "np" else "-np"
-        if not text.isdigit() or int(text) < minimum:
-            raise invalid_value(flag, text, f"an integer >= {minimum}")
-        setattr(args, name, int(text))
     kinds = tuple(k.strip() for k in (args.kinds or "").split(",") if k.strip())
     for kind in kinds:
         if kind not in KINDS:
