@@ -315,7 +315,7 @@ def test_stall_settings():
         assert stall_shutdown_seconds(after_init) == int(environ[ours])
     assert stall_shutdown_seconds({shutdown: "30"}) == 30  # Horovod's alone, as the user set it
     assert stall_shutdown_seconds({shutdown: "30", "HOROVOD_STALL_CHECK_DISABLE": "1"}) == 0
-    for bad in ("1.5", "-1", "soon", "1e3"):
+    for bad in ("1.5", "-1", "soon", "1e3", "²", "٣", "+5", "1_0"):
         with pytest.raises(HvdtrainError, match="HVDTRAIN_STALL_SHUTDOWN_SECONDS.*received"):
             stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": bad})
     for bad in (-1, 2.5, True, "x"):
