@@ -8,6 +8,7 @@ Standard library only: it runs under the environment's Python before hvdtrain is
     PYTHON launch/horovod_wheel.py find CACHE PATCH...     # the usable cached wheel, or exit 1
     PYTHON launch/horovod_wheel.py store CACHE WHEEL PATCH...   # keep a built wheel
     PYTHON launch/horovod_wheel.py drop CACHE PATCH...     # forget the key's entry
+    PYTHON launch/horovod_wheel.py locked CACHE PATCH... -- COMMAND...   # run it holding the lock
 
 A wheel is built once per key: Horovod's version, the patch series (every file's SHA-256, in
 order), the TensorFlow distribution and version, Python's major.minor, the MPI (`mpirun
@@ -19,9 +20,19 @@ itself is built into the wheel (`horovod/_hvdtrain_build.py`) and kept beside it
 with the wheel's SHA-256 (`<wheel>.sha256`). `find` uses an entry only when the wheel's
 hash, its zip, its version and the key built into it all match; otherwise it prints one
 line that says why on stderr, removes the entry and exits 1 (the caller builds again).
+
+One set-up per key at a time: `find`, `store` and `drop` hold the key's lock (an `flock` on
+`<cache>/<short key>.lock`), and `locked` holds it for a whole command (install_horovod.sh
+runs itself under it, from its look-up to its store): a second set-up of the same key waits,
+saying so in one line, then finds the first one's wheel and builds nothing. `store` keeps a
+valid wheel already stored for the key rather than replacing it. The lock passes to the
+command (its file stays open in it) and `HVDTRAIN_WHEEL_LOCK` names it there, so that the
+tool's calls below it do not wait for their own set-up.
 """
 
 import ast
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata as md
 import json
@@ -44,6 +55,9 @@ __all__ = [
     "wheel_problem",
     "find",
     "store",
+    "drop",
+    "lock",
+    "run_locked",
     "main",
 ]
 
@@ -51,6 +65,7 @@ HOROVOD_VERSION = "0.28.1"
 BUILD_MODULE = "horovod/_hvdtrain_build.py"  # the key, built into the wheel
 TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "intel-tensorflow")
 PREFIX = "install_horovod"
+LOCK_ENV = "HVDTRAIN_WHEEL_LOCK"  # the lock file that a caller of this process holds
 
 
 def _sha256(path):
@@ -180,51 +195,118 @@ def _entry(cache, key):
     return os.path.join(cache, short_key(key))
 
 
-def find(cache, key):
-    """The usable cached wheel for `key`, or None. A damaged or mismatched entry is removed,
-    with one line on stderr saying why."""
+def _lock_path(cache, key):
+    return os.path.join(cache, f"{short_key(key)}.lock")
+
+
+def _acquire(cache, key):
+    """Takes the key's lock; returns (its open file descriptor, its path). The descriptor is
+    None when a caller of this process holds the lock already (`LOCK_ENV`), or when the
+    cache cannot hold a lock file (a read-only cache: nothing is stored there either)."""
+    path = _lock_path(cache, key)
+    if os.environ.get(LOCK_ENV) == path:
+        return None, path
+    try:
+        os.makedirs(cache, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None, path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(
+            f"{PREFIX}: waiting for another set-up of the same Horovod wheel to finish ({path})",
+            file=sys.stderr,
+            flush=True,
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, path
+
+
+@contextlib.contextmanager
+def lock(cache, key):
+    """Holds the key's lock for the `with` block (see the module's docstring)."""
+    fd, path = _acquire(cache, key)
+    try:
+        yield path
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def run_locked(cache, key, argv):
+    """Replaces this process with `argv`, which then holds the key's lock (its file stays
+    open there, and in what it starts) until it ends; `LOCK_ENV` names the lock for it."""
+    fd, path = _acquire(cache, key)
+    if fd is not None:
+        os.set_inheritable(fd, True)
+    os.execvpe(argv[0], argv, {**os.environ, LOCK_ENV: path})
+
+
+def _usable(cache, key):
+    """(the key's cached wheel, why it must not be used or None); (None, None) when the
+    cache holds no wheel for the key."""
     entry = _entry(cache, key)
     if not os.path.isdir(entry):
-        return None
+        return None, None
     wheels = sorted(n for n in os.listdir(entry) if n.endswith(".whl"))
     if not wheels:
-        return None
+        return None, None
     wheel = os.path.join(entry, wheels[0])
     try:
         with open(wheel + ".sha256") as f:
             recorded = f.read().split()[0]
     except (OSError, IndexError):
         recorded = None
-    problem = wheel_problem(wheel, recorded, key)
-    if problem:
-        print(
-            f"{PREFIX}: the cached wheel {wheel} is not used: {problem}; building again",
-            file=sys.stderr,
-        )
-        shutil.rmtree(entry, ignore_errors=True)
-        return None
-    return wheel
+    return wheel, wheel_problem(wheel, recorded, key)
+
+
+def find(cache, key):
+    """The usable cached wheel for `key`, or None. A damaged or mismatched entry is removed,
+    with one line on stderr saying why."""
+    with lock(cache, key):
+        wheel, problem = _usable(cache, key)
+        if problem:
+            print(
+                f"{PREFIX}: the cached wheel {wheel} is not used: {problem}; building again",
+                file=sys.stderr,
+            )
+            shutil.rmtree(_entry(cache, key), ignore_errors=True)
+            return None
+        return wheel
 
 
 def store(cache, key, wheel):
-    """Keep `wheel` (just built for `key`) in the cache; returns its path there. The entry
-    appears whole or not at all (renamed into place), so a concurrent set-up never sees half."""
+    """Keep `wheel` (just built for `key`) in the cache; returns its path there. Under the
+    key's lock: a valid wheel stored for the key meanwhile (by a set-up that ran beside this
+    one) is kept, and its path returned; else the entry appears whole (renamed into place),
+    so that a set-up never sees half of one."""
     os.makedirs(cache, exist_ok=True)
-    entry = _entry(cache, key)
-    work = tempfile.mkdtemp(prefix=".store-", dir=cache)
-    try:
-        target = os.path.join(work, os.path.basename(wheel))
-        shutil.copyfile(wheel, target)
-        with open(target + ".sha256", "w") as f:
-            f.write(f"{_sha256(target)}  {os.path.basename(target)}\n")
-        with open(os.path.join(work, "key.json"), "w") as f:
-            json.dump(key, f, indent=1, sort_keys=True)
-            f.write("\n")
-        shutil.rmtree(entry, ignore_errors=True)
-        os.rename(work, entry)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return os.path.join(entry, os.path.basename(wheel))
+    with lock(cache, key):
+        kept, problem = _usable(cache, key)
+        if kept and not problem:
+            return kept
+        entry = _entry(cache, key)
+        work = tempfile.mkdtemp(prefix=".store-", dir=cache)
+        try:
+            target = os.path.join(work, os.path.basename(wheel))
+            shutil.copyfile(wheel, target)
+            with open(target + ".sha256", "w") as f:
+                f.write(f"{_sha256(target)}  {os.path.basename(target)}\n")
+            with open(os.path.join(work, "key.json"), "w") as f:
+                json.dump(key, f, indent=1, sort_keys=True)
+                f.write("\n")
+            shutil.rmtree(entry, ignore_errors=True)
+            os.rename(work, entry)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return os.path.join(entry, os.path.basename(wheel))
+
+
+def drop(cache, key):
+    """Forget the key's entry (under its lock)."""
+    with lock(cache, key):
+        shutil.rmtree(_entry(cache, key), ignore_errors=True)
 
 
 def stamp(src, key):
@@ -263,7 +345,12 @@ def main(argv=None):
     elif command == "store":
         print(store(rest[0], environment_inputs(rest[2:]), rest[1]))
     elif command == "drop":
-        shutil.rmtree(_entry(rest[0], environment_inputs(rest[1:])), ignore_errors=True)
+        drop(rest[0], environment_inputs(rest[1:]))
+    elif command == "locked" and "--" in rest[1:]:
+        at = rest.index("--", 1)
+        if at + 1 == len(rest):
+            raise SystemExit(f"{PREFIX}: error: `locked` needs a command after `--`")
+        run_locked(rest[0], environment_inputs(rest[1:at]), rest[at + 1 :])
     else:
         raise SystemExit(f"{PREFIX}: error: Invalid value for `command`: received {command!r}")
     return 0

@@ -14,7 +14,8 @@
 # SHA-256 beside it). A set-up whose key is cached installs that wheel (seconds); a cached
 # wheel that is damaged or not this key's, or whose Horovod then lacks TensorFlow, Gloo or MPI,
 # is named in one line and built again, never used. HVDTRAIN_WHEEL_NO_BUILD=1: install from
-# the cache or fail, never build.
+# the cache or fail, never build. Two set-ups of the same key at once: the second waits for the
+# first (a lock per key in the cache), then installs its wheel.
 #
 # A build: download the sdist (pip, no build), check its SHA-256, check that every patch
 # applies exactly (`patch --dry-run --fuzz=0`: a clear error otherwise), apply them, give the
@@ -49,6 +50,13 @@ cache=${HVDTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain/wheels}
 bindir=$(cd "$(dirname "$PYTHON")" && pwd)
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
 wheel_tool() { "$PYTHON" "$here/horovod_wheel.py" "$@"; }
+# One set-up per key at a time, from the look-up to the store: this script runs again under the
+# key's lock (horovod_wheel.py locked), so a second set-up beside it waits here, then finds the
+# first one's wheel in the cache and builds nothing.
+if [ -z "${HVDTRAIN_WHEEL_LOCK:-}" ]; then
+  exec "$PYTHON" "$here/horovod_wheel.py" locked "$cache" "${patches[@]}" -- \
+    bash "$here/$(basename "${BASH_SOURCE[0]}")" "$@"
+fi
 version=$(wheel_tool version "${patches[@]}")  # 0.28.1+hvdtrain.<short key>
 
 # What was really built: frameworks by their extension libraries (horovodrun --check-build

@@ -127,7 +127,7 @@ def test_dry_run_prints_the_elastic_line():
         (["--elastic", "--max-np", "9", "-H", "a:2,b:2"], "at most 4, the total slots"),
         (["--elastic", "-H", "a:2", "--host-discovery-script", "d.sh"], "both name the hosts"),
         (["--elastic", "-H", "node1:4"], "needs --network-interface"),
-        (["--elastic", "--min-np", "0"], "integer >= 1"),
+        (["--elastic", "--min-np", "0"], "`--min-np`: received '0'; expected a positive integer"),
         (["--elastic", "--blacklist-cooldown-range", "9", "3"], "MIN <= MAX"),
     ],
 )

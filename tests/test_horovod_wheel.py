@@ -154,6 +154,107 @@ def test_another_tensorflows_wheel_under_the_key_is_refused(cached, capsys):
     assert f"(expected {key['tensorflow']!r})" in err
 
 
+# -- two set-ups at once: the key's lock ----------------------------------------------------
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A patch of its own (so a key of its own), and a tiny wheel that passes every check
+    for that key: (cache, [patch], key, wheel)."""
+    patch = tmp_path / "0001-fake.patch"
+    patch.write_text("a patch that only names the key\n")
+    key = hw.environment_inputs([str(patch)])
+    version = hw.local_version(key)
+    wheel = str(tmp_path / f"horovod-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"horovod-{version}.dist-info/METADATA", f"Version: {version}\n")
+        z.writestr(hw.BUILD_MODULE, f"KEY = {key!r}\n")
+    return str(tmp_path / "cache"), [str(patch)], key, wheel
+
+
+def _tool(*args):
+    return [sys.executable, os.path.join(LAUNCH, "horovod_wheel.py"), *args]
+
+
+def _together(argvs, timeout=120):
+    """Runs the commands at once; [(exit status, stdout, stderr)] in their order."""
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]  # fmt: skip
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+
+
+def _one_valid_entry(cache, key):
+    names = sorted(os.listdir(cache))
+    assert names == [hw.short_key(key), f"{hw.short_key(key)}.lock"], names  # no half entry
+    wheel = hw.find(cache, key)
+    assert wheel and os.path.dirname(wheel) == os.path.join(cache, hw.short_key(key))
+    return wheel
+
+
+def test_two_set_ups_at_once_build_once_and_both_end_with_the_wheel(fake):
+    """What install_horovod.sh does, twice at once: under the key's lock, find, else
+    "build" (a line in a log, a second's wait) and store. The second waits, then finds
+    the first one's wheel."""
+    cache, patches, key, wheel = fake
+    log = os.path.join(os.path.dirname(cache), "builds.log")
+    tool = " ".join(_tool())
+    set_up = (
+        f"{tool} find {cache} {patches[0]} || {{ echo built >> {log}; sleep 1; "
+        f"{tool} store {cache} {wheel} {patches[0]}; }}"
+    )
+    runs = _together([_tool("locked", cache, *patches, "--", "sh", "-c", set_up)] * 2)
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    kept = _one_valid_entry(cache, key)
+    assert [out.strip() for _, out, _ in runs] == [kept, kept]  # both end with the one wheel
+    assert open(log).read() == "built\n"  # one build
+    waited = [err for _, _, err in runs if "waiting for another set-up" in err]
+    assert len(waited) == 1 and len(waited[0].splitlines()) == 1, runs
+
+
+def test_two_stores_of_one_key_at_once_both_succeed_with_one_wheel(fake):
+    """Two builds that end together (no `locked` around them): neither store fails, and the
+    cache holds one whole entry, the first one's."""
+    cache, patches, key, wheel = fake
+    for _ in range(3):
+        runs = _together([_tool("store", cache, wheel, *patches)] * 2)
+        assert [code for code, _, _ in runs] == [0, 0], runs
+        kept = _one_valid_entry(cache, key)
+        assert [out.strip() for _, out, _ in runs] == [kept, kept]
+
+
+def test_a_store_keeps_a_valid_wheel_and_replaces_a_damaged_one(fake):
+    cache, _, key, wheel = fake
+    kept = hw.store(cache, key, wheel)
+    before = os.stat(kept).st_ino
+    assert hw.store(cache, key, wheel) == kept and os.stat(kept).st_ino == before  # kept
+    with open(kept, "r+b") as f:
+        f.truncate(10)
+    assert hw.store(cache, key, wheel) == kept and os.stat(kept).st_ino != before  # replaced
+    assert hw.find(cache, key) == kept
+
+
+def test_the_lock_passes_to_the_command_and_is_not_taken_twice(fake):
+    """Under `locked`, the tool's own calls go on at once (no wait for their own set-up);
+    another process's lock of the key waits until the command has ended."""
+    cache, patches, key, _ = fake
+    script = (
+        "import fcntl, os, sys\n"
+        f"path = os.environ[{hw.LOCK_ENV!r}]\n"
+        "fd = os.open(path, os.O_RDWR)\n"
+        "try:\n"
+        "    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "except BlockingIOError:\n"
+        "    print('held', path)\n"
+    )
+    runs = _together([_tool("locked", cache, *patches, "--", sys.executable, "-c", script)])
+    assert runs == [(0, f"held {cache}/{hw.short_key(key)}.lock\n", "")], runs
+    with hw.lock(cache, key):  # free again: the command's end released it
+        pass
+    missing = _together([_tool("locked", cache, *patches, "--")])
+    assert missing[0][0] != 0 and "needs a command" in missing[0][2]
+
+
 # -- the wheel alone, in a clean environment (slow: a TensorFlow install) ------------------
 
 SCRIPT = textwrap.dedent(

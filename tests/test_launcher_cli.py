@@ -284,7 +284,7 @@ def test_missing_hostfile(tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["-np", "0", "true"], "Invalid value for `-np`: received '0'; expected an integer >= 1"),
+        (["-np", "0", "true"], "Invalid value for `-np`: received '0'; expected a positive int"),
         (["-np", "two", "true"], "`-np`: received 'two'"),
         (["-np", "3", "-H", "a:2", "true"], "`-np`: received 3; expected at most 2, the total"),
         (["-H", "a:0", "true"], "Invalid value for `-H`: received 'a:0'"),
@@ -302,7 +302,10 @@ def test_missing_hostfile(tmp_path):
         ),
         (["-x", "NOT_SET_ANYWHERE", "true"], "expected a variable set here"),
         (["-x", "1BAD=2", "true"], "Invalid value for `-x`"),
-        (["--ssh-port", "70000", "true"], "a port number from 1 to 65535"),
+        (
+            ["--ssh-port", "70000", "true"],
+            "`--ssh-port`: received '70000'; expected an integer from 1 to 65535",
+        ),
         (["--fusion-threshold-mb", "-1", "true"], "`--fusion-threshold-mb`: received '-1'"),
         (["--cycle-time-ms", "nan", "true"], "`--cycle-time-ms`: received 'nan'"),
         (["doctor", "true"], "doctor takes no command"),

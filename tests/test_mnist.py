@@ -109,8 +109,8 @@ def _one_error_line(proc, match, launcher_traceback=False):
     "flags, match",
     [
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (["--batch-size", "0"], r"Invalid value for `--batch-size`: received 0"),
-        (["--epochs", "-2"], r"Invalid value for `--epochs`: received -2"),
+        (["--batch-size", "0"], r"Invalid value for `--batch-size`: received '0'"),
+        (["--epochs", "-2"], r"Invalid value for `--epochs`: received '-2'"),
         (["--data-dir", "/nonexistent/dir"], r"`--data-dir`"),
     ],
 )

@@ -315,7 +315,7 @@ def test_stall_settings():
         assert stall_shutdown_seconds(after_init) == int(environ[ours])
     assert stall_shutdown_seconds({shutdown: "30"}) == 30  # Horovod's alone, as the user set it
     assert stall_shutdown_seconds({shutdown: "30", "HOROVOD_STALL_CHECK_DISABLE": "1"}) == 0
-    for bad in ("1.5", "-1", "soon", "1e3"):
+    for bad in ("1.5", "-1", "soon", "1e3", "²", "٣", "+5", "1_0"):
         with pytest.raises(HvdtrainError, match="HVDTRAIN_STALL_SHUTDOWN_SECONDS.*received"):
             stall_settings({"HVDTRAIN_STALL_SHUTDOWN_SECONDS": bad})
     for bad in (-1, 2.5, True, "x"):
@@ -525,6 +525,7 @@ def test_stopped_ranks_are_the_stopped_descendants_with_a_rank():
     import signal
 
     from hvdtrain.launcher.supervise import _stopped_ranks
+    from hvdtrain.runtime import processes
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     ranks = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -538,7 +539,7 @@ def test_stopped_ranks_are_the_stopped_descendants_with_a_rank():
         deadline = time.monotonic() + 10  # the state changes as the signal is delivered
         while not _stopped_ranks(os.getpid()) and time.monotonic() < deadline:
             pass
-        assert _stopped_ranks(os.getpid()) == {ranked.pid: 3}
+        assert _stopped_ranks(os.getpid()) == {processes.record(ranked.pid): 3}
         assert _stopped_ranks(plain.pid) == {}  # not a descendant of it
     finally:
         for proc in (ranked, plain):

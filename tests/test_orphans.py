@@ -14,7 +14,7 @@ import pytest
 from conftest import BIN, job_env, launch_argv, start_job, worker
 
 from hvdtrain.launcher.chaos import MARKER, complete_checkpoints, job_processes
-from hvdtrain.runtime import orphan
+from hvdtrain.runtime import orphan, processes
 
 MNIST = ["-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512"]
 
@@ -110,11 +110,7 @@ def _ended_within(marker, seconds):
 
 
 def _end(marker):
-    for pid in job_processes(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    processes.send_all(job_processes(marker), signal.SIGKILL)
 
 
 @pytest.mark.timeout(420)
@@ -193,7 +189,9 @@ def test_hvdtrain_run_names_itself_to_its_ranks():
     assert orphan._named_launcher({orphan.LAUNCHER_ENV: f"{host}:x:1"}) is None
     assert orphan._named_launcher({}) is None
     mine = orphan.identity().rsplit(":", 2)
-    assert mine[:2] == [host, str(os.getpid())] and int(mine[2]) > 0
+    assert mine[:2] == [host, str(os.getpid())] and float(mine[2]) == processes.started() > 0
+    assert orphan._named_launcher({orphan.LAUNCHER_ENV: orphan.identity()})[:2] == (
+        os.getpid(), processes.started())  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -212,11 +210,7 @@ def test_hvdtrain_run_killed_while_its_ranks_start_ends_them_at_init(tmp_path):
         while (
             time.monotonic() < deadline
             and len(
-                [
-                    p
-                    for p, env in job_processes(marker).items()
-                    if any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in env)
-                ]  # fmt: skip
+                [p for p, env in job_processes(marker).items() if "OMPI_COMM_WORLD_RANK" in env]
             )
             < 2
         ):

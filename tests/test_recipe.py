@@ -190,8 +190,8 @@ def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, shared_jobs, tm
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--epochs", "0"], "Invalid value for `--epochs`: received 0; expected a positive "
-         "integer."),
+        (["--epochs", "0"], "Invalid value for `--epochs`: received '0'; expected a positive "
+         "integer, e.g. --epochs 1."),
         (["--data", "tfrecord", "--files", "/no/such/dir"],
          "Invalid value for `train files`: received '/no/such/dir/train-*.tfrecord'; expected a "
          "pattern that matches files."),

@@ -60,12 +60,15 @@ def test_warmup_lr_starts_at_base_and_reaches_base_times_size():
     "argv, match",
     [
         (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--batch-size", "0"], "`--batch-size`: received 0"),
-        (["--batch-size", "-3"], "`--batch-size`: received -3"),
-        (["--epochs", "0"], "`--epochs`: received 0"),
+        (["--batch-size", "0"], "`--batch-size`: received '0'; expected a positive integer"),
+        (["--batch-size", "-3"], "`--batch-size`: received '-3'; expected a positive integer in"),
+        (["--epochs", "0"], "`--epochs`: received '0'"),
         (["--lr", "-1"], "`--lr`"),
         (["--data-dir", "/nonexistent/mnist"], "`--data-dir`"),
-        (["--epochs", "two"], "invalid int value"),
+        (["--epochs", "two"], "`--epochs`: received 'two'; expected a positive integer in"),
+        (["--epochs", "+2"], "`--epochs`: received '\\+2'"),
+        (["--epochs", "٣"], "`--epochs`: received '٣'"),
+        (["--seed", "1_0"], "`--seed`: received '1_0'"),
     ],
 )
 def test_parse_args_rejects_bad_flags(argv, match):

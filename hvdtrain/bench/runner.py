@@ -146,7 +146,8 @@ def launch(run, python, environ, uid, ports=None):
 
 
 def cpu_busy(seconds=1.0):
-    """The number of cores busy (0 .. cores) over `seconds`, from /proc/stat; None elsewhere."""
+    """The number of cores busy (0 .. cores) over `seconds` (`machine_busy_seconds`); None
+    where that cannot be told."""
     start, before = time.monotonic(), machine_busy_seconds()
     time.sleep(seconds)
     after = machine_busy_seconds()

@@ -43,6 +43,7 @@ import sys
 import time
 
 from hvdtrain.launcher.gpu import BENCH_MARKER
+from hvdtrain.runtime import processes
 from hvdtrain.runtime.tuning import bind_to_cores
 
 __all__ = [
@@ -123,16 +124,10 @@ def synthetic_data(n, seed=0):
 
 
 def machine_busy_seconds():
-    """CPU seconds all cores of this machine spent busy since boot (/proc/stat), or None.
-    The hypervisor's steal counts as busy, as in the runner's quiet wait: a core another
-    virtual machine took was not this job's."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]  # user .. steal
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds all cores of this machine spent busy since boot, or None
+    (`processes.busy_cpu_seconds`: the hypervisor's steal counts as busy, as in the
+    runner's quiet wait)."""
+    return processes.busy_cpu_seconds()
 
 
 def thread_cpu_seconds():

@@ -35,13 +35,14 @@ complete checkpoint from before the fault is still there or a newer one replaced
 prints a line per fault, a table at the end, and with `--json` the totals and each fault.
 Exit status: 0 when every fault was survived and the final digest equals the
 uninterrupted run's; 1 otherwise; 2 for a mistake in the options.
+
+Here: the runs, their checks and the report. The faults themselves (their schedule, moments,
+promised times and injection): `hvdtrain.launcher.faults`.
 """
 
 import argparse
-import dataclasses
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,20 @@ import uuid
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
+from hvdtrain.launcher import faults
+from hvdtrain.launcher.faults import (  # (chaos's own names too)
+    KINDS,
+    MARKER,
+    Fault,
+    complete_checkpoints,
+    job_processes,
+    moment,
+    promise,
+    schedule,
+)
+from hvdtrain.launcher.hosts import MAX_PROCESSES
+from hvdtrain.runtime import processes
+from hvdtrain.runtime.numbers import whole_number_type
 
 __all__ = [
     "KINDS",
@@ -70,67 +85,7 @@ __all__ = [
 ]
 
 PROG = "hvdtrain-run chaos"
-KINDS = (
-    "kill-rank",
-    "kill-launcher",
-    "term-launcher",
-    "stop-rank",
-    "kill-in-checkpoint",
-    "damage-checkpoint",
-    "full-disk",
-)
-MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
-STALL_SECONDS = 20
-GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
-TMPFS_MB = 64
 _TRACEBACK = "Traceback (most recent call last)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """One fault of the schedule: its `kind`, the `fraction` of the attempt's expected
-    duration after which it strikes, and the `rank` it hits (kinds on a rank)."""
-
-    index: int
-    kind: str
-    fraction: float
-    rank: int
-
-
-def schedule(faults, seed, kinds=KINDS, np=2):
-    """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
-    moments and ranks drawn from the seed, so that every kind comes once in each
-    len(kinds) faults."""
-    rng = random.Random(seed)
-    order = []
-    while len(order) < faults:
-        block = list(kinds)
-        rng.shuffle(block)
-        order.extend(block)
-    out = []
-    for i, kind in enumerate(order[:faults]):
-        fraction = round(rng.random(), 3)
-        rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
-        out.append(Fault(i + 1, kind, fraction, rank))
-    return out
-
-
-def moment(fraction, checkpoints, in_a_write=False):
-    """Where a fault of `fraction` strikes in an attempt that has `checkpoints` checkpoints
-    of the uninterrupted run still to write (pure): ("start-up", share of the start-up) for
-    the first fifth of fractions, else ("after", k, share of an interval): that share of the
-    interval between checkpoints after the k-th of them appears, never after the last one
-    (the run must have something left to redo). With no such anchor: in the start-up.
-    `in_a_write`: the fault waits for a write after its moment, so the anchor is one
-    earlier still."""
-    anchors = checkpoints - 1 - (1 if in_a_write else 0)
-    if fraction < 0.2:
-        return "start-up", round(fraction / 0.2, 3)
-    if anchors <= 0:
-        return "start-up", round((fraction - 0.2) / 0.8, 3)
-    position = (fraction - 0.2) / 0.8 * anchors
-    k = min(int(position), anchors - 1)
-    return "after", k, round(position - k, 3)
 
 
 def _flag_value(argv, flag):
@@ -166,27 +121,6 @@ def launch_command(python, np, backend, command):
     if backend:
         argv += ["--backend", backend]
     return [*argv, "--", *command]
-
-
-def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training"):
-    """The seconds within which every process of the job has ended after a fault of `kind`
-    (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
-    10 s later); a launcher killed outright leaves ranks that end within a second
-    (`hvdtrain.runtime.orphan`); a stopped rank ends the job after twice the `stall` time at most
-    (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
-    `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
-    next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for
-    start-up and a loaded host."""
-    slack = 20
-    return {
-        "kill-rank": grace + 10 + slack,
-        "kill-launcher": 5 + slack,
-        "term-launcher": grace + 10 + slack,
-        "stop-rank": (10 if phase == "start-up" else 2) * stall + grace + 10 + slack,
-        "kill-in-checkpoint": grace + 10 + slack,
-        "damage-checkpoint": grace + 10 + slack,
-        "full-disk": expected + grace + 10 + slack,
-    }[kind]
 
 
 def totals(records, digests_equal):
@@ -276,131 +210,6 @@ def digest_line(reference, final):
     )
 
 
-# -- processes and folders -----------------------------------------------------------------
-
-
-def _environ(pid):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
-
-
-def job_processes(marker):
-    """{pid: environment (a list of bytes)} of the living processes of the job `marker`."""
-    tag = f"{MARKER}={marker}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            env = _environ(entry)
-            if tag in env and _state(entry) not in (None, "Z", "X"):
-                found[int(entry)] = env
-    return found
-
-
-def rank_pid(marker, rank):
-    """The process id of rank `rank` of the job `marker`, or None (not started yet)."""
-    for pid, env in job_processes(marker).items():
-        for var in (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK="):
-            value = next((e[len(var) :] for e in env if e.startswith(var)), None)
-            if value == str(rank).encode() and _is_python(pid):
-                return pid
-    return None
-
-
-def _is_python(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            first = f.read().split(b"\0")[0]
-    except OSError:
-        return False
-    return os.path.basename(first).startswith(b"python")
-
-
-def complete_checkpoints(folder):
-    """The names of the checkpoints in `folder` with a manifest, oldest first."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    done = [n for n in names if n.startswith("epoch-") and "." not in n]
-    done = [n for n in done if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
-    return sorted(done)
-
-
-def _position(name):
-    """(epoch, step) of a checkpoint's name, (0, 0) for None."""
-    if not name:
-        return 0, 0
-    parts = name.split("-")
-    return int(parts[1]), int(parts[3]) if len(parts) > 3 else 0
-
-
-def _writing(folder):
-    try:
-        return any(n.startswith(".epoch-") and ".tmp" in n for n in os.listdir(folder))
-    except OSError:
-        return False
-
-
-def _damage(folder, name):
-    """Changes one byte in the middle of the biggest state file of checkpoint `name`."""
-    path = os.path.join(folder, name)
-    files = [os.path.join(path, f) for f in os.listdir(path) if f.startswith("state")]
-    target = max(files, key=os.path.getsize)
-    with open(target, "r+b") as f:
-        f.seek(os.path.getsize(target) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([(byte[0] if byte else 0) ^ 0xFF]))
-
-
-def _mount_tmpfs(path, mb):
-    """Mounts a tmpfs of `mb` MB at `path`; None when done, else why not (one phrase)."""
-    if os.geteuid() != 0:
-        return "it needs root to mount a small tmpfs"
-    os.makedirs(path, exist_ok=True)
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", path],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"mount failed ({e})"
-    if done.returncode:
-        return f"mount failed ({(done.stderr or '').strip().splitlines()[-1:] or done.returncode})"
-    return None
-
-
-def _fill(folder):
-    """Fills the disk of `folder` with a file; returns its path."""
-    path = os.path.join(folder, ".chaos-filler")
-    block = b"\0" * (1 << 20)
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(block)
-        except OSError:
-            pass
-        try:  # the last bytes
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
-    return path
-
-
 class _Job:
     """One run of the command under hvdtrain-run, its output in `log`."""
 
@@ -432,11 +241,7 @@ class _Job:
                 return 0
             time.sleep(0.1)
         left = job_processes(self.marker)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        processes.send_all(left, signal.SIGKILL)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -468,7 +273,7 @@ class _Chaos:
         self.args, self.kinds, self.workdir = args, kinds, workdir
         env = dict(os.environ)
         env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
-        env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(GRACE_SECONDS))
+        env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(faults.GRACE_SECONDS))
         self.env = env
         self.stall = float(env["HVDTRAIN_STALL_SHUTDOWN_SECONDS"])
         self.grace = float(env["HVDTRAIN_LAUNCHER_GRACE_SECONDS"])
@@ -533,7 +338,7 @@ class _Chaos:
         while time.monotonic() < strike and job.proc.poll() is None:
             time.sleep(0.02)
         if fault.kind == "kill-in-checkpoint":
-            while job.proc.poll() is None and not _writing(ckpt):
+            while job.proc.poll() is None and not faults.writing_checkpoint(ckpt):
                 time.sleep(0.002)
 
     def attempt(self, ckpt, fault):
@@ -576,13 +381,13 @@ class _Chaos:
             newest = complete_checkpoints(ckpt)
             last = max(self.timeline) if self.timeline else None
             phase = "training"
-            if _writing(ckpt):
+            if faults.writing_checkpoint(ckpt):
                 phase = "checkpoint write"
             elif newest == before:
                 phase = "start-up"
             elif last and newest and newest[-1] >= last:
                 phase = "after training"
-            epoch, step = _position(newest[-1] if newest else None)
+            epoch, step = faults.checkpoint_position(newest[-1] if newest else None)
             record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
             record["when"] = {"epoch": epoch, "step": step, "phase": phase,
                               "seconds": round(time.monotonic() - job.started, 1)}  # fmt: skip
@@ -593,9 +398,11 @@ class _Chaos:
                         job.proc.pid, signal.SIGKILL if kind == "kill-launcher" else signal.SIGTERM
                     )
                 elif kind == "full-disk":
-                    filler = _fill(ckpt)
-                elif target is not None:
-                    os.kill(target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL)
+                    filler = faults.fill_disk(ckpt)
+                elif target is not None and not processes.send(
+                    target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL
+                ):
+                    target = None  # it ended meanwhile
                 record["injected"] = kind == "full-disk" or target is not None or "launcher" in kind
             except ProcessLookupError:
                 pass
@@ -634,7 +441,7 @@ class _Chaos:
             and not any(n > newest_before for n in after)
         )
         if fault.kind == "damage-checkpoint" and after:
-            _damage(ckpt, after[-1])
+            faults.damage_checkpoint(ckpt, after[-1])
             record["damaged"] = after[-1]
         record["survived"] = not (
             record["hang"] or record["traceback"] or record["checkpoint_lost"]
@@ -642,11 +449,12 @@ class _Chaos:
         return code, record
 
     def _rank_pid(self, job, rank):
-        """The rank's process, waiting for it to start (up to the end of the job)."""
+        """The rank's process (`processes.Recorded`), waiting for it to start (up to the end
+        of the job)."""
         while job.proc.poll() is None:
-            pid = rank_pid(job.marker, rank)
-            if pid:
-                return pid
+            process = faults.rank_pid(job.marker, rank)
+            if process:
+                return process
             time.sleep(0.1)
         return None
 
@@ -659,16 +467,20 @@ def _parse(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("-np", "--num-proc", dest="np", default="2", metavar="N", help="default 2")
-    p.add_argument("--faults", default="7", metavar="N", help="faults to inject (default 7)")
-    p.add_argument("--seed", default="0", metavar="S", help="draws the faults (default 0)")
+    p.add_argument("-np", "--num-proc", dest="np", default=2, metavar="N", help="default 2",
+                   type=whole_number_type("-np", maximum=MAX_PROCESSES, bound=True))  # fmt: skip
+    p.add_argument("--faults", default=7, metavar="N", help="faults to inject (default 7)",
+                   type=whole_number_type("--faults", 0))  # fmt: skip
+    p.add_argument("--seed", default=0, metavar="S", help="draws the faults (default 0)",
+                   type=whole_number_type("--seed", 0))  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "mpi", "mpirun"), help="hvdtrain-run's")
     p.add_argument("--kinds", metavar="K,K", help="default: " + ",".join(KINDS))
     p.add_argument(
         "--stall-seconds",
-        default=str(STALL_SECONDS),
+        default=faults.STALL_SECONDS,
         metavar="S",
-        help=f"HVDTRAIN_STALL_SHUTDOWN_SECONDS for the runs (default {STALL_SECONDS})",
+        type=whole_number_type("--stall-seconds"),
+        help=f"HVDTRAIN_STALL_SHUTDOWN_SECONDS for the runs (default {faults.STALL_SECONDS})",
     )
     p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
     p.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: a new temp)")
@@ -681,12 +493,6 @@ def _parse(argv):
             "no command to run; expected e.g. `hvdtrain-run chaos -np 2 --faults 3 -- python "
             "-m hvdtrain.mnist --epochs 2`"
         )
-    for name, minimum in (("np", 1), ("faults", 0), ("seed", 0), ("stall_seconds", 1)):
-        text = getattr(args, name)
-        flag = "--" + name.replace("_", "-") if name != "np" else "-np"
-        if not text.isdigit() or int(text) < minimum:
-            raise invalid_value(flag, text, f"an integer >= {minimum}")
-        setattr(args, name, int(text))
     kinds = tuple(k.strip() for k in (args.kinds or "").split(",") if k.strip())
     for kind in kinds:
         if kind not in KINDS:
@@ -708,7 +514,7 @@ def run(args):
     ckpt = os.path.join(workdir, "chaos")
     mounted = False
     if "full-disk" in kinds:
-        why = _mount_tmpfs(ckpt, TMPFS_MB)
+        why = faults.mount_tmpfs(ckpt, faults.TMPFS_MB)
         if why and args.kinds:
             raise HvdtrainError(f"cannot inject full-disk: {why}; leave it out of --kinds")
         if why:
@@ -733,17 +539,17 @@ def run(args):
 
 def _run(args, kinds, workdir, ckpt):
     chaos = _Chaos(args, kinds, workdir)
-    faults = schedule(args.faults, args.seed, kinds, args.np)
-    print(f"{PROG}: {len(faults)} faults (seed {args.seed}); logs and checkpoints in {workdir}",
+    drawn = schedule(args.faults, args.seed, kinds, args.np)
+    print(f"{PROG}: {len(drawn)} faults (seed {args.seed}); logs and checkpoints in {workdir}",
           flush=True)  # fmt: skip
     print(f"{PROG}: the uninterrupted run ...", flush=True)
     reference = chaos.reference()
     print(f"{PROG}: uninterrupted run: {chaos.duration:.1f} s, digest {reference[:16]}", flush=True)
     records, code, final = [], None, None
-    for fault in faults:
+    for fault in drawn:
         code, record = chaos.attempt(ckpt, fault)
         records.append(record)
-        print(f"{PROG}: {progress_line(record, len(faults))}", flush=True)
+        print(f"{PROG}: {progress_line(record, len(drawn))}", flush=True)
         if code == 0 and not record["injected"]:  # the run finished before the fault
             break
     if code != 0:

@@ -84,6 +84,7 @@ from hvdtrain.launcher.slurm import detect_allocation
 from hvdtrain.launcher.supervise import PROG, run_command
 from hvdtrain.recipe.flags import ArgumentParser
 from hvdtrain.runtime import orphan
+from hvdtrain.runtime.numbers import whole_number_type
 
 __all__ = ["main", "parse_args", "make_config", "resolve_hosts", "run_command", "k8s_main"]
 
@@ -108,7 +109,12 @@ def _build_parser():
         allow_abbrev=False,
     )
     p.add_argument(
-        "-np", "--num-proc", dest="np", metavar="N", help="processes (default: all slots)"
+        "-np",
+        "--num-proc",
+        dest="np",
+        metavar="N",
+        type=whole_number_type("-np", maximum=MAX_PROCESSES, bound=True),
+        help="processes (default: all slots)",
     )
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="e.g. a:4,b:4")
@@ -119,17 +125,28 @@ def _build_parser():
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the command to stderr")
     tune = p.add_argument_group("Horovod settings (horovodrun flags, or HOROVOD_* variables)")
-    tune.add_argument("--fusion-threshold-mb", metavar="MB", help="fusion buffer (default 128)")
+    tune.add_argument(
+        "--fusion-threshold-mb",
+        metavar="MB",
+        type=whole_number_type("--fusion-threshold-mb", 0),
+        help="fusion buffer (default 128)",
+    )
     tune.add_argument(
         "--cycle-time-ms",
         metavar="MS",
         help="fusion cycle (default 0.1 under hvdtrain.init with several ranks, else 1)",
     )
     tune.add_argument("--timeline-filename", metavar="FILE", help="write a Horovod timeline")
-    tune.add_argument("--stall-check-warning-time-seconds", metavar="S", help="default 60")
+    tune.add_argument(
+        "--stall-check-warning-time-seconds",
+        metavar="S",
+        type=whole_number_type("--stall-check-warning-time-seconds"),
+        help="default 60",
+    )
     tune.add_argument(
         "--stall-check-shutdown-time-seconds",
         metavar="S",
+        type=whole_number_type("--stall-check-shutdown-time-seconds", 0),
         help="0 is off; default 300 under hvdtrain.init, else Horovod's 0",
     )
     tune.add_argument(
@@ -139,7 +156,12 @@ def _build_parser():
         help="NIC(s) for Horovod, MPI and NCCL, e.g. eth0 (repeat or comma-separate)",
     )
     net = p.add_argument_group("remote hosts and MPI")
-    net.add_argument("--ssh-port", metavar="PORT", help="ssh port on every host")
+    net.add_argument(
+        "--ssh-port",
+        metavar="PORT",
+        type=whole_number_type("--ssh-port", maximum=65535),
+        help="ssh port on every host",
+    )
     net.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key")
     net.add_argument(
         "-x",
@@ -169,21 +191,18 @@ def _build_parser():
     return p
 
 
-def _positive(args, name, flag, minimum=1, kind=int, most=float("inf")):
-    """Converts option `name` to `kind` and checks minimum <= it <= most; None when not
-    given."""
+def _number(args, name, flag, minimum):
+    """Option `name` as a finite float >= `minimum`; None when not given. (Whole numbers
+    are read by their argparse type: `whole_number_type`.)"""
     text = getattr(args, name)
     if text is None:
         return None
     try:
-        value = kind(text)
+        value = float(text)
     except ValueError:
         value = None
     if value is None or not minimum <= value < float("inf"):  # not nan, not inf
-        what = "an integer" if kind is int else "a number"
-        raise invalid_value(flag, text, f"{what} >= {minimum}, e.g. {flag} {max(minimum, 1)}")
-    if value > most:
-        raise invalid_value(flag, text, f"at most {most} (hvdtrain's bound; a typo?)")
+        raise invalid_value(flag, text, f"a number >= {minimum}, e.g. {flag} {max(minimum, 1)}")
     return value
 
 
@@ -192,21 +211,17 @@ def parse_args(argv=None):
     args = _build_parser().parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
-    args.np = _positive(args, "np", "-np", most=MAX_PROCESSES)
-    args.ssh_port = _positive(args, "ssh_port", "--ssh-port")
-    if args.ssh_port is not None and args.ssh_port > 65535:
-        raise invalid_value("--ssh-port", args.ssh_port, "a port number from 1 to 65535")
-    args.timeout = _positive(args, "timeout", "--timeout", kind=float)
+    args.timeout = _number(args, "timeout", "--timeout", 1)
+    args.cycle_time_ms = _number(args, "cycle_time_ms", TUNABLES["cycle_time_ms"].flag, 0.001)
     args.tunables = {}
-    for name, minimum, kind in (
-        ("fusion_threshold_mb", 0, int),
-        ("cycle_time_ms", 0.001, float),
-        ("stall_check_warning_time_seconds", 1, int),
-        ("stall_check_shutdown_time_seconds", 0, int),
+    for name in (
+        "fusion_threshold_mb",
+        "cycle_time_ms",
+        "stall_check_warning_time_seconds",
+        "stall_check_shutdown_time_seconds",
     ):
-        value = _positive(args, name, TUNABLES[name].flag, minimum, kind)
-        if value is not None:
-            args.tunables[name] = value
+        if getattr(args, name) is not None:
+            args.tunables[name] = getattr(args, name)
     if args.timeline_filename is not None:
         if not args.timeline_filename:
             raise invalid_value("--timeline-filename", "", "a file path")

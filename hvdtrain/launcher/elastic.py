@@ -50,6 +50,7 @@ from hvdtrain.launcher.hosts import (
     read_hostfile,
     total_slots,
 )
+from hvdtrain.runtime.numbers import whole_number
 
 __all__ = [
     "ElasticSpec",
@@ -118,15 +119,10 @@ def add_options(parser):
     )
 
 
-def _count(value, flag, minimum=1, most=MAX_PROCESSES):
+def _count(value, flag, minimum=1):
     if value is None:
         return None
-    text = str(value)
-    if not (text.isascii() and text.isdigit()) or int(text) < minimum:
-        raise invalid_value(flag, value, f"an integer >= {minimum}, e.g. {flag} {minimum + 1}")
-    if int(text) > most:
-        raise invalid_value(flag, value, f"at most {most} (hvdtrain's bound; a typo?)")
-    return int(text)
+    return whole_number(value, flag, minimum, MAX_PROCESSES, bound=True)
 
 
 def check_args(args):

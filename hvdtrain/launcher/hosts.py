@@ -19,6 +19,7 @@ import re
 from typing import NamedTuple
 
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.runtime.numbers import decimal
 
 __all__ = [
     "Host",
@@ -54,11 +55,10 @@ class Host(NamedTuple):
 
 
 def _positive_int(text, most=MAX_SLOTS):
-    """`int(text)` when `text` is a plain integer from 1 to `most` ("4", not "+4", "4.0",
-    "0", "²", "99999")."""
-    if text.isascii() and text.isdigit() and 0 < int(text) <= most:
-        return int(text)
-    return None
+    """The slots `text` writes (`numbers.decimal`: "4", not "+4", "4.0", "²") when from 1
+    to `most`, else None."""
+    value = decimal(text)
+    return value if value is not None and 0 < value <= most else None
 
 
 def parse_hosts_arg(text, flag="-H"):

@@ -22,6 +22,7 @@ import string
 
 from hvdtrain.errors import invalid_value
 from hvdtrain.launcher.hosts import MAX_PROCESSES
+from hvdtrain.runtime.numbers import whole_number
 
 __all__ = ["DEFAULT_IMAGE", "DEFAULT_COMMAND", "HOSTFILE", "launcher_command", "render_mpijob"]
 
@@ -77,14 +78,9 @@ spec:
 """)
 
 
-def _count(value, flag, what):
-    """A positive int from an int or a decimal string, else the one-line error."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"\d+", text) or int(text) < 1:
-        raise invalid_value(flag, value, f"a positive integer ({what}), e.g. {flag} 2")
-    if int(text) > MAX_PROCESSES:
-        raise invalid_value(flag, value, f"at most {MAX_PROCESSES} (hvdtrain's bound; a typo?)")
-    return int(text)
+def _count(value, flag):
+    """A positive int from an int or its digits, else the one-line error."""
+    return whole_number(value, flag, 1, MAX_PROCESSES, bound=True)
 
 
 def launcher_command(np, command=DEFAULT_COMMAND):
@@ -116,8 +112,8 @@ def render_mpijob(
     Raises:
         HvdtrainError: a count that is not a positive integer, a bad name, image or command.
     """
-    workers = _count(workers, "--workers", "worker pods")
-    gpus = _count(gpus_per_worker, "--gpus-per-worker", "GPUs per worker pod")
+    workers = _count(workers, "--workers")
+    gpus = _count(gpus_per_worker, "--gpus-per-worker")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", name or ""):
         raise invalid_value("--name", name, "a DNS-1123 name: lower case letters, digits, '-'")
     if not image or re.search(r"\s", image):

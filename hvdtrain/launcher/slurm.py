@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.launcher.hosts import Host
+from hvdtrain.runtime.numbers import decimal, whole_number
 
 __all__ = ["Allocation", "detect_allocation", "expand_nodelist", "expand_tasks_per_node"]
 
@@ -118,11 +119,6 @@ def expand_tasks_per_node(text, name="SLURM_TASKS_PER_NODE"):
     return counts
 
 
-def _digits(text):
-    """True for ASCII digits only: `str.isdigit` also passes `²`, which int() refuses."""
-    return text.isascii() and text.isdigit()
-
-
 def detect_allocation(environ):
     """The SLURM allocation described by `environ` (a mapping), or None outside SLURM.
 
@@ -139,14 +135,12 @@ def detect_allocation(environ):
         return None
     names = expand_nodelist(nodelist)
     ntasks_text = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
-    if ntasks_text is not None and not (_digits(ntasks_text) and int(ntasks_text) > 0):
-        raise invalid_value("SLURM_NTASKS", ntasks_text, "a positive integer")
-    ntasks = int(ntasks_text) if ntasks_text else None
+    ntasks = None if ntasks_text is None else whole_number(ntasks_text, "SLURM_NTASKS")
 
     if environ.get("SLURM_TASKS_PER_NODE"):
         slots = expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"])
-    elif _digits(environ.get("SLURM_NTASKS_PER_NODE") or ""):
-        slots = [int(environ["SLURM_NTASKS_PER_NODE"])] * len(names)
+    elif decimal(environ.get("SLURM_NTASKS_PER_NODE")) is not None:
+        slots = [decimal(environ["SLURM_NTASKS_PER_NODE"])] * len(names)
     elif ntasks and ntasks % len(names) == 0:
         slots = [ntasks // len(names)] * len(names)
     else:

@@ -18,7 +18,8 @@ import time
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
 from hvdtrain.launcher.noise import noise_unwanted
-from hvdtrain.runtime.orphan import process_stat
+from hvdtrain.runtime import processes
+from hvdtrain.runtime.numbers import decimal
 from hvdtrain.runtime.stall import stall_shutdown_seconds
 from hvdtrain.runtime.watchdog import without_marker
 
@@ -89,16 +90,15 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
         since = {}
         while not done.wait(1):
             now, ranks = time.monotonic(), _stopped_ranks(child[0].pid)
-            since = {pid: since.get(pid, now) for pid in ranks}
-            late = [pid for pid, t in since.items() if now - t >= limit]
+            since = {p: since.get(p, now) for p in ranks}  # (a process: its id and start)
+            late = [p for p, t in since.items() if now - t >= limit]
             if late:
-                pid = late[0]
                 stopped.append(
-                    f"rank {ranks[pid]} (pid {pid} on {socket.gethostname()}) was stopped "
-                    f"(SIGSTOP or SIGTSTP) for {limit:g} s, the stall time; ended it and the job"
+                    f"rank {ranks[late[0]]} (pid {late[0].pid} on {socket.gethostname()}) was "
+                    f"stopped (SIGSTOP or SIGTSTP) for {limit:g} s, the stall time; ended it and "
+                    "the job"
                 )
-                for pid in late:
-                    _kill(pid, signal.SIGKILL)
+                processes.send_all(late, signal.SIGKILL)  # (not an id another process took)
                 return
 
     def watch_ending_dir():  # each second, until a rank of this host leaves its last line
@@ -203,50 +203,26 @@ def _stall_time(env):
         return 0
 
 
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
 def _stopped_ranks(root):
-    """{pid: rank} of the descendants of process `root` that are stopped (state T) and are
-    ranks (a launcher's rank variable in their environment). Descendants, not a session:
-    horovodrun starts each rank in a session of its own (Linux: /proc)."""
-    parent, state = {}, {}
-    for entry in os.listdir("/proc"):
-        stat = process_stat(int(entry)) if entry.isdigit() else None
-        if stat:  # (None: gone meanwhile)
-            state[int(entry)], parent[int(entry)] = stat[0], stat[1]
+    """{`processes.Recorded`: rank} of the descendants of process `root` that are stopped
+    and are ranks (a launcher's rank variable in their environment). Descendants, not a
+    session: horovodrun starts each rank in a session of its own."""
     out = {}
-    for pid, st in state.items():
-        ancestor = parent.get(pid)
-        while st == "T" and ancestor not in (None, 0, 1, root):
-            ancestor = parent.get(ancestor)
-        if st != "T" or ancestor != root:
+    for process in processes.descendants(root):
+        if processes.state(process.pid) != processes.STOPPED:
             continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        for var in (b"HOROVOD_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK", b"SLURM_PROCID"):
-            if env.get(var, b"").isdigit():
-                out[pid] = int(env[var])
+        env = processes.environment(process.pid)  # ({}: gone meanwhile, or not ours)
+        for var in _RANK_VARIABLES:
+            rank = decimal(env.get(var, ""))
+            if rank is not None:
+                out[process] = rank
                 break
     return out
 
 
-def _kill(pid, signum):
-    try:
-        os.kill(pid, signum)
-    except OSError:
-        pass  # gone meanwhile
-
-
 def _signal_session(sid, signum):
-    """Sends `signum` to every process of session `sid` (Linux: /proc/PID/stat)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:  # state, ppid, pgrp, session
-                os.kill(int(entry), signum)
-        except (OSError, IndexError, ValueError):
-            pass  # gone meanwhile
+    """Sends `signum` to every process of session `sid`."""
+    processes.send_all(processes.session_processes(sid), signum)

@@ -18,6 +18,7 @@ import math
 import os
 
 from hvdtrain.errors import HvdtrainError, invalid_value
+from hvdtrain.runtime.numbers import whole_number, whole_number_type
 from hvdtrain.runtime.uncaught import report_uncaught
 
 __all__ = ["ArgumentParser", "TrainConfig", "make_config", "PROGRESS", "SYNC_MODES"]
@@ -27,6 +28,24 @@ SYNC_MODES = ("step", "local", "diloco")
 SYNC_EVERY = 16  # --sync-every's default under --sync local/diloco
 AUTO = "auto"  # --sync-every auto: H chosen by measurement (`hvdtrain.exchange.auto`)
 OUTER = ("outer_lr", "outer_momentum")  # DiLoCo's outer Nesterov SGD (exchange.outer_step)
+# The whole-number fields: (minimum, maximum, whether the maximum is hvdtrain's guard
+# against a typo rather than a limit of the thing). Their flags read the digits 0-9 only.
+WHOLE_NUMBERS = {
+    "epochs": (1, None, False),
+    "batch_size": (1, None, False),
+    "seed": (0, 2**31 - 1, False),  # numpy's seed range
+    "limit_samples": (1, None, False),
+    "threads": (1, 4096, True),  # per rank
+    "accumulate": (1, None, False),
+    "steps_per_execution": (1, None, False),
+    "keep_checkpoints": (1, None, False),
+    "checkpoint_every": (0, None, False),
+    "eval_batch_size": (1, None, False),
+    "commit_every": (1, None, False),
+    "sync_every": (1, None, False),
+    "sync_warmup_steps": (0, None, False),
+}
+_SYNC_NUMBERS = ("sync_every", "sync_warmup_steps")  # checked with --sync (`_check_sync`)
 
 
 @dataclasses.dataclass
@@ -113,28 +132,13 @@ class TrainConfig:
     sync_balance: bool | None = None
 
     def __post_init__(self):
-        for name in (
-            "epochs",
-            "batch_size",
-            "keep_checkpoints",
-            "accumulate",
-            "commit_every",
-            "eval_batch_size",
-        ):
-            _positive(self, name)
-        for name in ("limit_samples", "threads", "steps_per_execution"):
-            if getattr(self, name) is not None:
-                _positive(self, name)
+        for name in WHOLE_NUMBERS:
+            if name not in _SYNC_NUMBERS:
+                _whole(self, name)
         if self.lr is not None and not (_number(self.lr) and 0 < self.lr < math.inf):
             raise invalid_value("--lr", self.lr, "a positive learning rate")
         if not (_number(self.warmup_epochs) and 0 <= self.warmup_epochs < math.inf):
             raise invalid_value("--warmup-epochs", self.warmup_epochs, "a number >= 0")
-        if not (_integer(self.seed) and 0 <= self.seed < 2**31):  # numpy's seed range
-            raise invalid_value("--seed", self.seed, "an integer from 0 to 2147483647")
-        if self.threads is not None and self.threads > 4096:
-            raise invalid_value("--threads", self.threads, "at most 4096 threads per rank")
-        if not (_integer(self.checkpoint_every) and self.checkpoint_every >= 0):
-            raise invalid_value("--checkpoint-every", self.checkpoint_every, "steps >= 0")
         if self.mixed_precision not in (None, "auto", "float16", "bfloat16"):
             raise invalid_value(
                 "--mixed-precision", self.mixed_precision, "auto, float16 or bfloat16"
@@ -176,13 +180,9 @@ def _check_sync(c):
     """The one-line refusals of `--sync` and its knobs (pure: `hvdtrain.exchange` runs them)."""
     if c.sync not in SYNC_MODES:
         raise invalid_value("--sync", c.sync, ", ".join(SYNC_MODES))
-    if c.sync_every is not None and c.sync_every != AUTO:
-        if not (_integer(c.sync_every) and c.sync_every >= 1):
-            raise invalid_value("--sync-every", c.sync_every, "a positive integer or auto")
-    if c.sync_warmup_steps is not None and not (
-        _integer(c.sync_warmup_steps) and c.sync_warmup_steps >= 0
-    ):
-        raise invalid_value("--sync-warmup-steps", c.sync_warmup_steps, "steps >= 0")
+    for name in _SYNC_NUMBERS:
+        if getattr(c, name) != AUTO:  # --sync-every auto
+            _whole(c, name)
     if c.outer_lr is not None and not (_number(c.outer_lr) and 0 < c.outer_lr < math.inf):
         raise invalid_value("--outer-lr", c.outer_lr, "a positive learning rate")
     if c.outer_momentum is not None and not (
@@ -242,30 +242,31 @@ def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def _integer(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(value):
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _every(text):
-    """`--sync-every`'s value: "auto", or the text as an integer (checked with the config)."""
-    if text.strip() == AUTO:
-        return AUTO
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"received {text!r}; expected a positive integer or auto"
-        ) from None
+_OPTIONAL = {f.name for f in dataclasses.fields(TrainConfig) if f.default is None}
 
 
-def _positive(config, name):
+def _every_type():
+    """`--sync-every`'s argparse type: "auto", or a positive integer."""
+    number = whole_number_type("--sync-every", *WHOLE_NUMBERS["sync_every"][:2])
+
+    def every(text):
+        return AUTO if text.strip() == AUTO else number(text)
+
+    return every
+
+
+def _whole(config, name):
+    """Checks the whole-number field `name` of `config` (an int in its range; None where
+    None is its default)."""
     value = getattr(config, name)
-    if not (_integer(value) and value >= 1):
-        raise invalid_value(_flag(name), value, "a positive integer")
+    if value is None and name in _OPTIONAL:
+        return
+    minimum, maximum, bound = WHOLE_NUMBERS[name]
+    whole_number(value, _flag(name), minimum, maximum, bound=bound, text=False)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -371,6 +372,9 @@ def _add_training_flags(p, d):
         )
         if isinstance(default, bool):
             kw.setdefault("action", "store_true")
+        elif name in WHOLE_NUMBERS:
+            minimum, maximum, bound = WHOLE_NUMBERS[name]
+            kw.setdefault("type", whole_number_type(_flag(name), minimum, maximum, bound=bound))
         else:
             kw.setdefault("type", type(default) if default is not None else int)
         group.add_argument(_flag(name), default=default, help=help + shown, **kw)
@@ -437,7 +441,7 @@ def _add_training_flags(p, d):
         f"({d.sync})",
     )
     flag(x, "sync_every", "local steps between exchanges of weights, or auto: the smallest that "
-         f"hides the exchange, measured (default {SYNC_EVERY})", type=_every)  # fmt: skip
+         f"hides the exchange, measured (default {SYNC_EVERY})", type=_every_type())  # fmt: skip
     flag(
         x,
         "sync_warmup_steps",

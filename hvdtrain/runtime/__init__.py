@@ -1,11 +1,12 @@
 """The process a rank runs in: Horovod's start with its GPU, threads and cores
 (`process.init`), the performance settings (`tuning`), which Keras `tf.keras` is (`compat`),
 the watchdog of a stuck rank (`watchdog`, `stall`), the end of a rank whose launcher died
-(`orphan`), logging on rank 0 (`logs`), and how an uncaught error is told (`tracebacks`).
+(`orphan`), logging on rank 0 (`logs`), how an uncaught error is told (`tracebacks`), the
+process table (`processes`) and the whole numbers a user types (`numbers`).
 
 Nothing here runs at import: a module's functions change the process only when called. The
 launcher imports the modules that need no TensorFlow (`compat`, `stall`, `watchdog`,
-`orphan`, `tracebacks`).
+`orphan`, `tracebacks`, `processes`, `numbers`).
 """
 
 import importlib

@@ -6,13 +6,13 @@ ranks hang below `sh -c` middlemen and a forked copy of it, under `horovodrun --
 process became `sh -c mpirun ...`, and orphaned ranks trained to the end, writing
 checkpoints into a folder that "run the same command again" then shares with a second job.
 
-`hvdtrain.init()` calls `watch()`: it walks this process's ancestors (Linux's
-/proc/PID/stat) up to the outermost launcher among them (`is_launcher`: mpirun, mpiexec,
-orterun, prterun, prted, orted, horovodrun, hvdtrain-run, srun, slurmstepd, or `sh -c`
-running one of them) and records each one's process id and start time. A daemon thread
-looks every `INTERVAL` seconds; when one of them has ended (gone, a zombie, or its id
-reused), the rank prints one line and exits at once with `EXIT_CODE` (`os._exit`: no
-`finally`, no checkpoint)::
+`hvdtrain.init()` calls `watch()`: it walks this process's ancestors (read through
+`hvdtrain.runtime.processes`) up to the outermost launcher among them (`is_launcher`:
+mpirun, mpiexec, orterun, prterun, prted, orted, horovodrun, hvdtrain-run, srun, slurmstepd,
+or `sh -c` running one of them) and records each one's process id and start time. A daemon
+thread looks every `INTERVAL` seconds; when one of them has ended (gone, a zombie, or its id
+reused: another start time), the rank prints one line and exits at once with `EXIT_CODE`
+(`os._exit`: no `finally`, no checkpoint)::
 
     hvdtrain: rank 1: the launcher (mpirun, pid 4242) is gone; ending
 
@@ -28,17 +28,17 @@ Linux only (elsewhere, nothing is watched). Nothing here imports TensorFlow or H
 
 import os
 import socket
+import sys
 import threading
 
 from hvdtrain.errors import env_rank, write_line
+from hvdtrain.runtime import processes
 
 __all__ = [
-    "process_stat",
     "watch",
     "check",
     "is_launcher",
     "launcher_chain",
-    "ancestors",
     "identity",
     "LAUNCHER_ENV",
     "INTERVAL",
@@ -114,44 +114,10 @@ def launcher_chain(lineage):
     return chain
 
 
-def process_stat(pid):
-    """(state, parent pid, start time) of process `pid`, or None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0].decode(), int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _argv(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return []
-    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-
-
-def ancestors(pid=None):
-    """[(pid, start time, argv)] of the ancestors of `pid` (default: this process), parent
-    first, up to (not including) process 1."""
-    out = []
-    stat = process_stat(pid or os.getpid())
-    while stat and stat[1] > 1 and len(out) < 64:
-        parent = stat[1]
-        stat = process_stat(parent)
-        if stat is None:
-            break
-        out.append((parent, stat[2], _argv(parent)))
-    return out
-
-
 def _gone():
     """The first watched ancestor that has ended, as (pid, start, name), or None."""
     for pid, start, name in _chain:
-        stat = process_stat(pid)
-        if stat is None or stat[0] in ("Z", "X") or stat[2] != start:
+        if not processes.alive(pid, start):
             return pid, start, name
     return None
 
@@ -186,8 +152,7 @@ def _rank():
 def identity(pid=None):
     """`LAUNCHER_ENV`'s value for process `pid` (default: this one): host, pid, start time."""
     pid = pid or os.getpid()
-    stat = process_stat(pid)
-    return f"{socket.gethostname()}:{pid}:{stat[2] if stat else 0}"
+    return f"{socket.gethostname()}:{pid}:{processes.started(pid) or 0}"
 
 
 def _named_launcher(environ):
@@ -197,7 +162,7 @@ def _named_launcher(environ):
     if len(parts) != 3 or parts[0] != socket.gethostname():
         return None
     try:
-        return int(parts[1]), int(parts[2]), "hvdtrain-run"
+        return int(parts[1]), float(parts[2]), "hvdtrain-run"
     except ValueError:
         return None
 
@@ -207,9 +172,9 @@ def watch(environ=None):
     starts the watching thread, once per process; ends this process at once when one of
     them is gone already. Returns the chain [(pid, start, name)] ([] when none)."""
     global _chain
-    if _chain or not os.path.isdir("/proc/self"):
+    if _chain or not sys.platform.startswith("linux"):
         return list(_chain)
-    chain = launcher_chain(ancestors())
+    chain = launcher_chain(processes.ancestors())
     named = _named_launcher(os.environ if environ is None else environ)
     if named and named[0] not in {pid for pid, _, _ in chain}:
         chain.append(named)

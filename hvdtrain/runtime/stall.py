@@ -7,6 +7,7 @@ import os
 import re
 
 from hvdtrain.errors import invalid_value
+from hvdtrain.runtime.numbers import decimal
 
 # A rank that makes no progress for this long ends the job (Horovod's stall shutdown and
 # `hvdtrain.WatchdogCallback`). Long enough for a rank-0-only checkpoint, export or first-step
@@ -20,11 +21,12 @@ FIRST_STEP_FACTOR = 10  # the first step traces and compiles the model
 
 
 def _seconds(value, name):
-    """A whole number of seconds >= 0 from an int or its decimal text, else the error."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not text.isdigit():
+    """A whole number of seconds >= 0 from an int or its digits (`numbers.decimal`), else
+    the error."""
+    number = value if isinstance(value, int) and not isinstance(value, bool) else decimal(value)
+    if number is None or number < 0:
         raise invalid_value(name, value, "a whole number of seconds >= 0 (0 turns it off)")
-    return int(text)
+    return number
 
 
 def _env_int(text, default):

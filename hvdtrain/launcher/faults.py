@@ -1,0 +1,218 @@
+"""The faults of `hvdtrain-run chaos` (chaos.py): their kinds, when each strikes, the time
+within which the job must end after it, and how each is injected: a signal to a process of
+the job (found by the marker in its environment), a damaged checkpoint, a full disk.
+
+    schedule(7, seed=1)              # [Fault(1, "stop-rank", 0.761, 1), ...]
+    moment(0.42, checkpoints=5)      # ("after", 1, 0.1): 0.1 of an interval after the 2nd
+    promise("stop-rank", stall=20)   # 80: seconds within which every process has ended
+    rank_pid(marker, 1)              # rank 1 of the job, a processes.Recorded, or None
+
+Not a failed job's explanation (that is failures.py). No TensorFlow here.
+"""
+
+import dataclasses
+import os
+import random
+import subprocess
+
+from hvdtrain.runtime import processes
+
+__all__ = [
+    "KINDS",
+    "MARKER",
+    "Fault",
+    "schedule",
+    "moment",
+    "promise",
+    "job_processes",
+    "rank_pid",
+    "complete_checkpoints",
+    "checkpoint_position",
+    "writing_checkpoint",
+    "damage_checkpoint",
+    "mount_tmpfs",
+    "fill_disk",
+]
+
+KINDS = (
+    "kill-rank",
+    "kill-launcher",
+    "term-launcher",
+    "stop-rank",
+    "kill-in-checkpoint",
+    "damage-checkpoint",
+    "full-disk",
+)
+MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
+STALL_SECONDS = 20
+GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
+TMPFS_MB = 64  # full-disk: the size of the tmpfs mounted over the checkpoint folder
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault of the schedule: its `kind`, the `fraction` of the attempt's expected
+    duration after which it strikes, and the `rank` it hits (kinds on a rank)."""
+
+    index: int
+    kind: str
+    fraction: float
+    rank: int
+
+
+def schedule(faults, seed, kinds=KINDS, np=2):
+    """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
+    moments and ranks drawn from the seed, so that every kind comes once in each
+    len(kinds) faults."""
+    rng = random.Random(seed)
+    order = []
+    while len(order) < faults:
+        block = list(kinds)
+        rng.shuffle(block)
+        order.extend(block)
+    out = []
+    for i, kind in enumerate(order[:faults]):
+        fraction = round(rng.random(), 3)
+        rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
+        out.append(Fault(i + 1, kind, fraction, rank))
+    return out
+
+
+def moment(fraction, checkpoints, in_a_write=False):
+    """Where a fault of `fraction` strikes in an attempt that has `checkpoints` checkpoints
+    of the uninterrupted run still to write (pure): ("start-up", share of the start-up) for
+    the first fifth of fractions, else ("after", k, share of an interval): that share of the
+    interval between checkpoints after the k-th of them appears, never after the last one
+    (the run must have something left to redo). With no such anchor: in the start-up.
+    `in_a_write`: the fault waits for a write after its moment, so the anchor is one
+    earlier still."""
+    anchors = checkpoints - 1 - (1 if in_a_write else 0)
+    if fraction < 0.2:
+        return "start-up", round(fraction / 0.2, 3)
+    if anchors <= 0:
+        return "start-up", round((fraction - 0.2) / 0.8, 3)
+    position = (fraction - 0.2) / 0.8 * anchors
+    k = min(int(position), anchors - 1)
+    return "after", k, round(position - k, 3)
+
+
+def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training"):
+    """The seconds within which every process of the job has ended after a fault of `kind`
+    (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
+    10 s later); a launcher killed outright leaves ranks that end within a second
+    (`hvdtrain.runtime.orphan`); a stopped rank ends the job after twice the `stall` time at most
+    (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
+    `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
+    next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for
+    start-up and a loaded host."""
+    slack = 20
+    return {
+        "kill-rank": grace + 10 + slack,
+        "kill-launcher": 5 + slack,
+        "term-launcher": grace + 10 + slack,
+        "stop-rank": (10 if phase == "start-up" else 2) * stall + grace + 10 + slack,
+        "kill-in-checkpoint": grace + 10 + slack,
+        "damage-checkpoint": grace + 10 + slack,
+        "full-disk": expected + grace + 10 + slack,
+    }[kind]
+
+
+# -- processes and folders -----------------------------------------------------------------
+
+
+def job_processes(marker):
+    """{`processes.Recorded`: environment (a dict)} of the living processes of the job
+    `marker` (`MARKER` in their environment)."""
+    return processes.marked(MARKER, marker)
+
+
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def rank_pid(marker, rank):
+    """The rank `rank` of the job `marker` (a `processes.Recorded`), or None (not started
+    yet)."""
+    for process, env in job_processes(marker).items():
+        if any(env.get(var) == str(rank) for var in _RANK_VARIABLES) and _is_python(process):
+            return process
+    return None
+
+
+def _is_python(process):
+    argv = processes.command_line(process.pid)
+    return bool(argv) and os.path.basename(argv[0]).startswith("python")
+
+
+def complete_checkpoints(folder):
+    """The names of the checkpoints in `folder` with a manifest, oldest first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    done = [n for n in names if n.startswith("epoch-") and "." not in n]
+    done = [n for n in done if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
+    return sorted(done)
+
+
+def checkpoint_position(name):
+    """(epoch, step) of a checkpoint's name, (0, 0) for None."""
+    if not name:
+        return 0, 0
+    parts = name.split("-")
+    return int(parts[1]), int(parts[3]) if len(parts) > 3 else 0
+
+
+def writing_checkpoint(folder):
+    try:
+        return any(n.startswith(".epoch-") and ".tmp" in n for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def damage_checkpoint(folder, name):
+    """Changes one byte in the middle of the biggest state file of checkpoint `name`."""
+    path = os.path.join(folder, name)
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.startswith("state")]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([(byte[0] if byte else 0) ^ 0xFF]))
+
+
+def mount_tmpfs(path, mb):
+    """Mounts a tmpfs of `mb` MB at `path`; None when done, else why not (one phrase)."""
+    if os.geteuid() != 0:
+        return "it needs root to mount a small tmpfs"
+    os.makedirs(path, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", path],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"mount failed ({e})"
+    if done.returncode:
+        return f"mount failed ({(done.stderr or '').strip().splitlines()[-1:] or done.returncode})"
+    return None
+
+
+def fill_disk(folder):
+    """Fills the disk of `folder` with a file; returns its path."""
+    path = os.path.join(folder, ".chaos-filler")
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError:
+            pass
+        try:  # the last bytes
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return path
