@@ -15,6 +15,7 @@ import hvdtrain
 MODULES = {  # the order and titles of the API page's sections
     "recipe.trainer": "The recipe",
     "recipe.flags": "Flags",
+    "launcher.notebook": "Launching a function (a notebook)",
     "data": "Data",
     "data.forms": "What a data form is",
     "data.files": "Data in files",

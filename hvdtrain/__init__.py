@@ -40,6 +40,7 @@ if compat.legacy_keras_needed(compat.tensorflow_version()):
 _EXPORTS = {
     # the recipe
     "fit": "recipe.trainer",
+    "launch": "launcher.notebook",
     "ArgumentParser": "recipe.flags",
     "TrainConfig": "recipe.flags",
     # data
@@ -59,6 +60,7 @@ _EXPORTS = {
     "HvdtrainError": "errors",
     "TrainingDiverged": "errors",
     "OutputsNotWritten": "errors",
+    "JobFailed": "errors",
     "init": "runtime.process",
     "is_main_process": "runtime.process",
     "gpu_for_local_rank": "runtime.process",
