@@ -52,6 +52,7 @@ import uuid
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
+from hvdtrain.recipe import names
 
 __all__ = [
     "KINDS",
@@ -334,7 +335,13 @@ def complete_checkpoints(folder):
         return []
     done = [n for n in names if n.startswith("epoch-") and "." not in n]
     done = [n for n in done if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
-    return sorted(done)
+    return sorted(done, key=_order)
+
+
+def _order(name):
+    """Where checkpoint `name` is in its run, to compare and sort by: not its text, which puts
+    `epoch-0002` (the end of epoch 2) before `epoch-0002-step-000004` (`names`)."""
+    return (names.position_of(name) if name else None) or (-1, -1)
 
 
 def _position(name):
@@ -519,14 +526,15 @@ class _Chaos:
         """Waits for the fault's moment (`moment`): a share of the start-up, or a share of
         the interval after a checkpoint of the uninterrupted run appears, or of the end."""
         startup, interval = self._estimates()
-        remaining = [n for n in sorted(self.timeline) if resumed_from is None or n > resumed_from]
+        remaining = [n for n in sorted(self.timeline, key=_order)
+                     if resumed_from is None or _order(n) > _order(resumed_from)]  # fmt: skip
         where = moment(fault.fraction, len(remaining), fault.kind == "kill-in-checkpoint")
         if where[0] == "start-up":
             strike = job.started + where[1] * startup
         else:
             anchor = remaining[where[1]]
             while job.proc.poll() is None and not any(
-                n >= anchor for n in complete_checkpoints(ckpt)
+                _order(n) >= _order(anchor) for n in complete_checkpoints(ckpt)
             ):
                 time.sleep(0.02)
             strike = time.monotonic() + where[2] * interval
@@ -574,13 +582,13 @@ class _Chaos:
                 target = self._rank_pid(job, 0)
         if job.proc.poll() is None:
             newest = complete_checkpoints(ckpt)
-            last = max(self.timeline) if self.timeline else None
+            last = max(self.timeline, key=_order) if self.timeline else None
             phase = "training"
             if _writing(ckpt):
                 phase = "checkpoint write"
             elif newest == before:
                 phase = "start-up"
-            elif last and newest and newest[-1] >= last:
+            elif last and newest and _order(newest[-1]) >= _order(last):
                 phase = "after training"
             epoch, step = _position(newest[-1] if newest else None)
             record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
@@ -631,7 +639,7 @@ class _Chaos:
         record["checkpoint_lost"] = bool(
             newest_before
             and newest_before not in after
-            and not any(n > newest_before for n in after)
+            and not any(_order(n) > _order(newest_before) for n in after)
         )
         if fault.kind == "damage-checkpoint" and after:
             _damage(ckpt, after[-1])
