@@ -84,6 +84,35 @@ def test_a_failing_rank_raises_one_line_naming_the_rank_the_error_and_the_line(c
     assert '[rank 1]     raise ValueError("rank 1 cannot go on")' in captured.err  # its source
 
 
+def mistakes_or_dies(how):
+    import signal
+
+    from hvdtrain.errors import HvdtrainError, env_rank, invalid_value
+
+    if how == "mistake":  # as a wrong value given to fit: every rank raises it
+        raise invalid_value("epochs", -1, "an integer >= 1")
+    if env_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+    raise HvdtrainError("not reached")
+
+
+@pytest.mark.timeout(120)
+def test_a_user_mistake_is_its_own_line_and_a_killed_rank_is_hvdtrain_run_s_line():
+    with pytest.raises(hvdtrain.JobFailed) as raised:
+        hvdtrain.launch(mistakes_or_dies, "mistake", np=2, backend="gloo")
+    assert str(raised.value) == (
+        "rank 0 failed: Invalid value for `epochs`: received -1; expected an integer >= 1; "
+        "exit status 2"
+    )
+    with pytest.raises(hvdtrain.JobFailed) as raised:
+        hvdtrain.launch(mistakes_or_dies, "dies", np=2, backend="gloo")
+    assert str(raised.value) == (
+        "rank 1 on host localhost was killed by signal 9 (SIGKILL) first; the job was ended"
+    )
+    assert (raised.value.exit_code, raised.value.rank) == (137, 1)
+
+
 def returns_a_lock():
     return threading.Lock()
 

@@ -135,7 +135,7 @@ def launch(
         fn: the function every rank calls: a function of a notebook cell or of a module,
             sent by value with cloudpickle (a function of an installed module by its name).
             It imports TensorFlow and calls `hvdtrain.fit` or `hvdtrain.init` itself.
-        *args, **kwargs: its arguments (they must pickle).
+        *args: its positional arguments (they must pickle).
         np: ranks, 2 by default.
         hosts: hosts and slots, as `hvdtrain-run -H`: "a:4,b:4" or ["a:4", "b:4"]; by
             default this host with `np` slots.
@@ -147,6 +147,7 @@ def launch(
         workdir: the folder for the function's file and the results; by default the
             temporary folder. Ranks on other hosts need one they all see at the same path
             (a shared file system).
+        **kwargs: its keyword arguments (they must pickle; the names above are launch's).
 
     Returns:
         rank 0's return value (it must pickle), or with `all_ranks` every rank's.
@@ -325,5 +326,5 @@ def _failure(outcome, results, hosts):
             error = pickle.loads(record["exception"])
         except Exception:  # noqa: BLE001 (its class is not importable here)
             error = None
-    line = f"{who} failed: {record['error']}{where}; exit status {outcome.code}"
+    line = f"{who} failed: {record['error'].rstrip('.')}{where}; exit status {outcome.code}"
     return JobFailed(line, outcome.code, named, error)
