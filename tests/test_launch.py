@@ -57,19 +57,23 @@ def test_a_function_runs_on_every_rank_and_rank_0s_lines_come_back_whole(backend
 def fails_on_rank_1(folder):
     from hvdtrain.errors import env_rank
 
-    print(f"rank {env_rank()} starts")
+    print(f"rank {env_rank()} starts", flush=True)
+    if env_rank() == 0:
+        open(os.path.join(folder, "started"), "w").close()
+    while env_rank() == 1 and not os.path.exists(os.path.join(folder, "started")):
+        time.sleep(0.05)  # rank 0's line is out before the job is ended
     if env_rank() == 1:
         raise ValueError("rank 1 cannot go on")
     time.sleep(30)  # until the job is ended
 
 
 @pytest.mark.timeout(120)
-def test_a_failing_rank_raises_one_line_naming_the_rank_the_error_and_the_line(capsys):
+def test_a_failing_rank_raises_one_line_naming_the_rank_the_error_and_the_line(capsys, tmp_path):
     start = time.monotonic()
     with pytest.raises(hvdtrain.JobFailed) as raised:
-        hvdtrain.launch(fails_on_rank_1, "unused", np=2, backend="gloo")
+        hvdtrain.launch(fails_on_rank_1, str(tmp_path), np=2, backend="gloo")
     assert time.monotonic() - start < 25  # ended, not waited for
-    line = fails_on_rank_1.__code__.co_firstlineno + 5
+    line = fails_on_rank_1.__code__.co_firstlineno + 9
     assert str(raised.value) == (
         "rank 1 failed: ValueError: rank 1 cannot go on (raised in fails_on_rank_1, "
         f"test_launch.py:{line}); exit status 1"
