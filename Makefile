@@ -20,7 +20,7 @@ export HVDTRAIN_VENV := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup setup-test horovod-wheel train test test-slow test-fast test-gpu-image lint docs docs-serve clean image image-gpu
+.PHONY: setup setup-test horovod-wheel train test test-slow test-fast test-gpu-image lint docs docs-serve reference clean image image-gpu
 
 setup:
 	@launch/setup_host.sh
@@ -69,6 +69,11 @@ docs: setup-test
 
 docs-serve: setup-test
 	NO_MKDOCS_2_WARNING=1 mkdocs serve
+
+# docs/reference/api.md and flags.md written again from the code (readable in the repository;
+# tests/test_docs.py fails when they are not what the code gives).
+reference: setup-test
+	python docs/hooks.py
 
 # The GPU image built (cold: about 21 min) and checked on CPU; not in CI (docs/docker.md).
 test-gpu-image: setup-test

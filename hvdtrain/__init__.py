@@ -9,7 +9,9 @@ one device and its data in any form (arrays, a tf.data pipeline, TFRecord or oth
     hvdtrain.fit(build_model, hvdtrain.FileData("data/*.tfrecord", parse), args)
 
 launched with `horovodrun -np 4 python train.py`, `mpirun -np 4 python train.py` or
-`hvdtrain-run --hostfile hosts.txt -- python train.py`. The building blocks of the recipe
+`hvdtrain-run --hostfile hosts.txt -- python train.py`; from a notebook cell (or any Python),
+`hvdtrain.launch(train, np=2)` runs a function on the ranks under the same supervision and
+returns rank 0's value. The building blocks of the recipe
 (`init`, `train_dataset`, `distributed_optimizer`, `broadcast_initial_state`, ...) are
 here too, for loops of your own.
 
@@ -40,6 +42,7 @@ if compat.legacy_keras_needed(compat.tensorflow_version()):
 _EXPORTS = {
     # the recipe
     "fit": "recipe.trainer",
+    "launch": "launcher.notebook",
     "ArgumentParser": "recipe.flags",
     "TrainConfig": "recipe.flags",
     # data
@@ -59,6 +62,7 @@ _EXPORTS = {
     "HvdtrainError": "errors",
     "TrainingDiverged": "errors",
     "OutputsNotWritten": "errors",
+    "JobFailed": "errors",
     "init": "runtime.process",
     "is_main_process": "runtime.process",
     "gpu_for_local_rank": "runtime.process",

@@ -10,6 +10,7 @@ __all__ = [
     "TrainingDiverged",
     "OutputsNotWritten",
     "HostUnreachable",
+    "JobFailed",
     "invalid_value",
     "kind_of",
     "one_line",
@@ -146,6 +147,26 @@ class HostUnreachable(HvdtrainError):
     started. Exit status 5."""
 
     exit_code = 5
+
+
+class JobFailed(HvdtrainError, RuntimeError):
+    """A job that `hvdtrain.launch` started failed: its message is the one line that says
+    which rank failed first and why, as `hvdtrain-run` says it in a shell (`rank 1 failed:
+    ValueError: ... (raised in train, Cell In[4], line 7); exit status 1`).
+
+    An `HvdtrainError` (hvdtrain's one family: `except hvdtrain.HvdtrainError` catches it with
+    the rest) and a `RuntimeError` (what a failed job is in Python, as `horovod.run` raises
+    it). Uncaught in a script, it is one line and the job's exit status, as `hvdtrain-run`'s.
+
+    Attributes:
+        exit_code: the job's exit status (the failed rank's; 128+N for signal N).
+        rank: the rank that failed first, or None where no rank was named (a lost host).
+        rank_error: the exception that rank raised, where it could be sent back, else None.
+    """
+
+    def __init__(self, message, exit_code=1, rank=None, rank_error=None):
+        super().__init__(message)
+        self.exit_code, self.rank, self.rank_error = exit_code, rank, rank_error
 
 
 def kind_of(value):

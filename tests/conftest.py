@@ -44,7 +44,8 @@ def _environ_per_module():
 # `processes` when its function, its fixtures or a function of the tests they call name one.
 _STARTS = re.compile(
     r"\b(run_job|start_job|run_until|SharedJob|OneJobAtATime|launch_argv|subprocess|Popen"
-    r"|NamespaceHosts|slurm_cluster|os\.system|os\.exec\w*|os\.spawn\w*)\b"
+    r"|NamespaceHosts|slurm_cluster|os\.system|os\.exec\w*|os\.spawn\w*|hvdtrain\.launch"
+    r"|NotebookClient)\b"
 )
 
 

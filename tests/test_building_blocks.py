@@ -32,9 +32,13 @@ def test_mid_epoch_checkpoints_are_labelled_with_the_real_step_whatever_the_exec
         x, x[:, :1], batch_size=4, epochs=2, steps_per_epoch=10, callbacks=[callback], verbose=0
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "epoch-0000-step-000004", "epoch-0000-step-000008", "epoch-0001",
-        "epoch-0001-step-000004", "epoch-0001-step-000008", "epoch-0002",
-    ]  # fmt: skip
+        "epoch-0001",
+        "epoch-0001-step-000004",
+        "epoch-0001-step-000008",
+        "epoch-0002",
+        "epoch-0002-step-000004",
+        "epoch-0002-step-000008",
+    ]  # fmt: skip (epoch 1, steps 4 and 8; its end; epoch 2, steps 4 and 8; its end)
     found = manager.latest()
     assert (found.epoch, found.step, found.global_step) == (2, 0, 20)
 

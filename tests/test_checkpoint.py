@@ -96,22 +96,22 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
 
 
 def test_the_manifest_has_a_format_version_and_an_unknown_one_is_refused(tmp_path):
-    """Format 2 is written; format 1 (hvdtrain 0.1's, fields at the top level) is read;
+    """Format 3 is written; 2 and 1 (hvdtrain 0.1's, fields at the top level) are read;
     any other version is refused with both versions named, never skipped as damaged."""
     model, optimizer = _model_and_optimizer()
     manager = CheckpointManager(tmp_path, model, optimizer)
     manager.save(1, size=2, global_batch=64, steps_per_epoch=10, extra={"note": "x"})
     path = tmp_path / "epoch-0001" / "manifest.json"
     written = json.loads(path.read_text())
-    assert written["format"] == 2 and written["size"] == 2 and written["extra"] == {"note": "x"}
+    assert written["format"] == 3 and written["size"] == 2 and written["extra"] == {"note": "x"}
     found = manager.latest()
     assert (found.size, found.global_batch, found.global_step) == (2, 64, 10)
     old = {k: v for k, v in written.items() if k not in ("data", "extra")}  # as 0.1 wrote it
     path.write_text(json.dumps({**old, "format": 1, "note": "x"}))
     found = manager.latest()
     assert found.format == 1 and found.size == 2 and found.extra == {"note": "x"}
-    path.write_text(json.dumps({**written, "format": 3}))
-    with pytest.raises(HvdtrainError, match="it has format 3; this hvdtrain reads formats 1, 2"):
+    path.write_text(json.dumps({**written, "format": 4}))
+    with pytest.raises(HvdtrainError, match="it has format 4; this hvdtrain reads formats 1, 2, 3"):
         manager.latest()
 
 
@@ -152,7 +152,7 @@ def test_every_checkpoint_damaged_is_said_in_one_line(tmp_path, caplog):
 
 
 def test_a_rerun_of_a_finished_job_says_it_is_trained_not_resuming(tmp_path):
-    """A second run of a 2-epoch job evaluates only: it said "resuming at epoch 3"."""
+    """A second run of a 2-epoch job evaluates only: it said "resuming at epoch 3" once."""
     import hvdtrain
 
     hvdtrain.init(threads=1)
@@ -176,9 +176,50 @@ def test_a_rerun_of_a_finished_job_says_it_is_trained_not_resuming(tmp_path):
     finally:
         logging.getLogger("hvdtrain").removeHandler(handler)
     lines = [r.getMessage() for r in records]
-    assert not [line for line in lines if "resuming at epoch" in line], lines
+    assert not [line for line in lines if line.startswith("resuming")], lines
     assert any("is after epoch 2: all 2 epoch(s) trained" in line for line in lines), lines
     assert out["optimizer_iterations"] == 4
+
+
+def test_one_numbering_in_names_and_lines():
+    """`epoch-000E-step-00000S` is after step S of epoch E, both from 1, as the lines say;
+    `epoch-000E` the end of epoch E."""
+    from hvdtrain.recipe import names
+
+    assert names.folder_name(1, 6) == "epoch-0002-step-000006"
+    assert names.folder_name(2) == "epoch-0002"
+    assert names.position_of("epoch-0002-step-000006") == (1, 6)
+    assert names.position_of("epoch-0001-step-000006", format=2) == (1, 6)  # as 2 named it
+    assert names.position_of("epoch-0002") == names.position_of("epoch-0002", format=2) == (2, 0)
+    assert names.position_of("epoch-0000-step-000001") is None  # no epoch 0 to be in
+    assert names.position_of("notes") is None
+    assert names.describe(16, 10) == "epoch 2, step 6 of 10" and names.describe(20, 10) == "epoch 2"
+    assert names.human(16, 10) == (2, 6) and names.human(20, 10) == (2, 10)
+
+
+def test_checkpoints_named_the_old_way_are_still_found_ordered_and_resumed(tmp_path):
+    """A folder of format 2 named a mid-epoch checkpoint by the epochs done
+    (`epoch-0001-step-000006`: 6 steps into epoch 2): still the latest after `epoch-0001`,
+    and older than a new `epoch-0002`; a new mid-epoch one beside it sorts by its own."""
+    model, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(tmp_path, model, optimizer, keep=10)
+    manager.save(1, steps_per_epoch=10)
+    new = manager.save(1, step=6, steps_per_epoch=10)
+    assert os.path.basename(new) == "epoch-0002-step-000006"
+    old = tmp_path / "epoch-0001-step-000006"  # the same checkpoint, as format 2 named it
+    os.rename(new, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": 2}))
+    found = manager.latest()
+    assert (found.path, found.epoch, found.step, found.global_step) == (str(old), 1, 6, 16)
+    assert manager.restore(found) == found
+    manager.save(1, step=8, steps_per_epoch=10)  # new: epoch 2, step 8
+    assert manager.latest().path == str(tmp_path / "epoch-0002-step-000008")
+    manager.save(2, steps_per_epoch=10)
+    assert manager.latest().path == str(tmp_path / "epoch-0002")
+    assert [os.path.basename(p) for p in manager._recognized()] == [
+        "epoch-0002", "epoch-0002-step-000008", "epoch-0001-step-000006", "epoch-0001"
+    ]  # fmt: skip
 
 
 def test_a_damaged_folder_where_a_checkpoint_goes_is_renamed_in_one_line(tmp_path):

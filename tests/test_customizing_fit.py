@@ -601,7 +601,7 @@ def test_a_gan_killed_mid_epoch_resumes_bitwise(version, backend, shared_jobs, t
     killed = _train(2, backend, cut, *flags, "--kill-at", "5", check=False)
     assert killed.returncode != 0 and "rank 1: killing itself after step 5" in killed.stderr
     resumed = _train(2, backend, cut, *flags)
-    assert "resuming at epoch 1, step 4 of 8" in resumed.stderr
+    assert "resuming after epoch 1, step 4 of 8" in resumed.stderr
     digests = {r["weights_digest"] for r in _metrics(whole, "gan")["ranks"]}
     assert {r["weights_digest"] for r in _metrics(cut, "gan")["ranks"]} == digests
     assert len(digests) == 1

@@ -84,3 +84,36 @@ def test_corrupt_npz_and_missing_files(tmp_path):
     empty.mkdir()
     with pytest.raises(HvdtrainError, match="missing: train-images-idx3-ubyte"):
         load_mnist("data-dir", str(empty))
+
+
+def test_a_tf_data_pipeline_given_whole_or_batched_is_refused_saying_what_to_pass():
+    """MirroredStrategy's fit takes the whole dataset, batched; DatasetData wants a function
+    of (rank, size, seed, epoch) giving this rank's samples, unbatched."""
+    import tensorflow as tf
+
+    import hvdtrain
+
+    samples = tf.data.Dataset.from_tensor_slices((np.zeros((64, 2), "float32"), np.zeros(64)))
+    for given, what in (
+        (samples.shuffle(64).batch(8).prefetch(2), "a batched tf.data.Dataset (.batch(8))"),
+        ((samples.batch(8), samples.batch(8)), "a batched tf.data.Dataset (.batch(8))"),
+        (samples, "a tf.data.Dataset"),
+    ):
+        with pytest.raises(HvdtrainError) as raised:
+            hvdtrain.as_data(given)
+        assert str(raised.value).startswith(
+            f"Invalid value for `data`: received {what!r}; expected "
+            "hvdtrain.DatasetData(make_dataset, num_samples=N), with make_dataset(rank, size, "
+            "seed, epoch) returning this rank's samples for one epoch, unbatched"
+        ), str(raised.value)
+
+    def batched(rank, size, seed, epoch):
+        return samples.shard(size, rank).shuffle(64, seed=seed + epoch).batch(8).prefetch(2)
+
+    data = hvdtrain.DatasetData(batched, num_samples=64)
+    with pytest.raises(HvdtrainError, match=r"returned a batched tf.data.Dataset \(.batch\(8\)\); "
+                       r"expected this rank's samples for one epoch, unbatched"):  # fmt: skip
+        data.train_dataset(8, hvdtrain.Placement(), seed=0, start_step=0, steps=4, epochs=1)
+    unbatched = hvdtrain.DatasetData(lambda r, s, seed, e: samples.batch(8).unbatch(), 64)
+    ds = unbatched.train_dataset(8, hvdtrain.Placement(), seed=0, start_step=0, steps=4, epochs=1)
+    assert [x.shape[0] for x, _ in ds] == [8] * 4

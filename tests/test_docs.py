@@ -67,6 +67,33 @@ def test_the_api_reference_has_every_public_name(site):
     assert "Placement" in html and "broadcast_initial_state" in html
 
 
+def _hooks():
+    sys.path.insert(0, os.path.join(ROOT, "docs"))
+    import hooks
+
+    return hooks
+
+
+@pytest.mark.processes  # each command's --help, in a process of its own (docs/hooks.py)
+def test_the_reference_pages_in_the_repository_are_what_the_code_gives():
+    """docs/reference/*.md read in the repository are what `python docs/hooks.py` writes: the
+    API page exactly (read from the source: the same text on any Python); the flags page
+    exactly on the Python that printed it, and on another every flag of every command
+    (argparse lays a few options out otherwise from one version to the next)."""
+    hooks = _hooks()
+    stale = "is not what the code gives: run `python docs/hooks.py` (make reference)"
+    api = hooks.region(open(hooks.PAGES["api"]).read(), "api")
+    assert api == hooks.api_text() + "\n", f"docs/reference/api.md {stale}"
+    committed = hooks.region(open(hooks.PAGES["flags"]).read(), "flags")
+    fresh = hooks.flags_text() + "\n"
+    if committed.splitlines()[0] == fresh.splitlines()[0]:  # printed by this Python
+        assert committed == fresh, f"docs/reference/flags.md {stale}"
+    else:
+        flags = re.compile(r"(?<![\w-])--?[a-z][\w-]*")
+        missing = set(flags.findall(fresh)) - set(flags.findall(committed))
+        assert not missing, f"docs/reference/flags.md {stale}: {sorted(missing)}"
+
+
 def test_the_flags_reference_is_each_parser_s_help(site):
     text = re.sub(r"<[^>]+>", "", open(site / "reference" / "flags" / "index.html").read())
     for flag in ("--checkpoint-dir", "--elastic", "--mixed-precision", "--keras", "--model"):

@@ -75,6 +75,7 @@ RUNNABLE = {
     "docs/your-model.md#0": (None, ["--epochs", "1", "--checkpoint-dir", "ck"]),
     "docs/your-model.md#3": (_images, ["--epochs", "1", "--checkpoint-dir", "ck"]),
     "docs/keras3.md#0": (None, ["--epochs", "1", "--checkpoint-dir", "ck"]),
+    "docs/from-tf-distribute.md#0": (None, ["--epochs", "1", "--checkpoint-dir", "ck"]),
 }
 
 
@@ -345,7 +346,7 @@ def test_the_first_progress_figures_leave_the_start_up_out():
 
 
 def test_a_mid_epoch_checkpoint_line_says_what_its_folder_name_means(tmp_path, caplog):
-    """epoch-0001-step-000006 is after epoch 1, 6 steps into epoch 2: the line says both."""
+    """epoch-0002-step-000006 is epoch 2, step 6: the folder and the line say it alike."""
     import tensorflow as tf
 
     from hvdtrain.recipe.callbacks import CheckpointCallback
@@ -361,8 +362,8 @@ def test_a_mid_epoch_checkpoint_line_says_what_its_folder_name_means(tmp_path, c
     callback.on_epoch_begin(1)
     for batch in range(6):
         callback.on_train_batch_end(batch)
-    assert os.path.isdir(tmp_path / "epoch-0001-step-000006")
-    assert any("epoch-0001-step-000006 (after epoch 1, 6 steps into epoch 2)" in r.getMessage()
+    assert os.path.isdir(tmp_path / "epoch-0002-step-000006")
+    assert any("epoch-0002-step-000006 (epoch 2, step 6 of 10)" in r.getMessage()
                for r in caplog.records)  # fmt: skip
 
 

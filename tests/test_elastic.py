@@ -275,7 +275,7 @@ def test_killed_worker_training_goes_on_from_the_last_commit(victim, keras, tmp_
     jobs.append(job)
     job.wait_for(r"elastic: training on 2 rank\(s\)")
     # Between two commits (every 5 steps): global step 28 of 20 per epoch.
-    job.wait_for(r"saved checkpoint .*\(after epoch 1, 8 steps into epoch 2\)")
+    job.wait_for(r"saved checkpoint .*epoch-0002-step-000008 \(epoch 2, step 8 of 20\)")
     workers = {_env_rank(p): p for p in job.workers()}
     assert sorted(workers) == [0, 1], job.output()
     survivor = workers[1 - victim].pid

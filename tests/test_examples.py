@@ -133,8 +133,8 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
     ]  # fmt: skip
     every_20 = ["--checkpoint-every", "20"]
     # The checkpoint 20 steps into epoch 1, then the kill.
-    lines = run_until(argv + every_20, r"saved checkpoint.*\(20 steps into epoch 1\)")
-    assert any("(20 steps into epoch 1)" in line for line in lines), "".join(lines[-40:])
+    lines = run_until(argv + every_20, r"saved checkpoint.*\(epoch 1, step 20 of")
+    assert any("epoch-0001-step-000020 (epoch 1, step 20 of" in line for line in lines)
     assert sorted(os.listdir(data)) == ["test-0.tfrecord"] + [
         f"train-{i}.tfrecord" for i in range(6)
     ]
@@ -142,11 +142,13 @@ def test_tfrecord_example_writes_its_files_trains_and_resumes_after_a_kill(tmp_p
 
     proc = run_job(2, "gloo", argv[len(launch_argv(2, "gloo")) + 1 :])
     m = json.loads(metrics.read_text())
-    assert m["resumed_from"] == {"epoch": 0, "step": 20, "optimizer_iterations": 20}
+    assert m["resumed_from"] == {
+        "epoch": 1, "step": 20, "checkpoint": "epoch-0001-step-000020", "optimizer_iterations": 20
+    }  # fmt: skip
     assert m["data_source"] == "files" and m["train_samples"] == 4500
     assert m["test_samples"] == 500 and m["test"]["accuracy"] > 0.5
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1  # BatchNorm averaged
-    assert "resuming at epoch 1, step 20" in proc.stdout + proc.stderr
+    assert "resuming after epoch 1, step 20 of" in proc.stdout + proc.stderr
     assert m["steps_per_execution"] == 16 and len(m["history"]["val_loss"]) == 2
 
 

@@ -66,7 +66,8 @@ def one_line_error(proc):
 def test_launcher_never_imports_tensorflow_or_horovod():
     code = (
         "import sys, hvdtrain.launcher, hvdtrain.launcher.cli, hvdtrain.launcher.doctor, "
-        "hvdtrain.launcher.kubernetes, hvdtrain.launcher.slurm; "
+        "hvdtrain.launcher.kubernetes, hvdtrain.launcher.slurm, hvdtrain.launcher.notebook, "
+        "hvdtrain.launcher.run_fn; "
         "bad = [m for m in ('tensorflow', 'horovod', 'keras') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import JOB_TIMEOUT, job_env, run_job
+from conftest import JOB_TIMEOUT, LEGACY_KERAS, job_env, run_job
 
 from hvdtrain.launcher.noise import is_startup_noise
 
@@ -78,7 +78,11 @@ def test_exported_model_loads_in_plain_keras_without_horovod(tmp_path):
         "print(m.predict(np.zeros((2, 28, 28, 1)), verbose=0).shape, 'horovod' in sys.modules)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=job_env(), timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=job_env(**LEGACY_KERAS),
+        timeout=120,
     )
     assert out.stdout.split() == ["(2,", "10)", "False"], out.stderr[-2000:]
 

@@ -100,10 +100,12 @@ def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     killed, _ = train(backend, form, files, run_dir, "--kill-at", "25", check=False)
     output = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "rank 1: killing itself after step 25" in output
-    # global step 24: epoch-0001-step-000006
-    assert "saved checkpoint" in output and "(after epoch 1, 6 steps into epoch 2)" in output
+    # global step 24 of 18 per epoch: epoch-0002-step-000006
+    assert "epoch-0002-step-000006 (epoch 2, step 6 of 18)" in output
     _, resumed = train(backend, form, files, run_dir, jobs=shared_jobs)
-    assert resumed["resumed_from"] == {"epoch": 1, "step": 6, "optimizer_iterations": 24}
+    assert resumed["resumed_from"] == {
+        "epoch": 2, "step": 6, "checkpoint": "epoch-0002-step-000006", "optimizer_iterations": 24
+    }  # fmt: skip
     assert resumed["ranks"][0]["weights_digest"] == ref["ranks"][0]["weights_digest"]
     assert resumed["test"] == ref["test"]
 

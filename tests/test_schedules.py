@@ -27,7 +27,7 @@ def train(jobs, tmp_path, backend, keras, *extra):
             "--batch-size", str(BATCH), *extra]  # fmt: skip
     for epochs in (1, EPOCHS):
         proc = jobs.get(2, backend).run_script([*args, "--epochs", str(epochs)])
-    assert "resuming at epoch 2, step 0" in proc.stderr
+    assert "resuming after epoch 1 (global step" in proc.stderr
     return [json.loads((tmp_path / f"record.rank{r}.json").read_text()) for r in range(2)]
 
 

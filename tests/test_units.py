@@ -328,13 +328,15 @@ def test_a_type_in_a_message_takes_its_article():
     assert kind_of(Intracomm()) == "an Intracomm" and kind_of([]) == "a list"
 
 
-def test_unbuffered_streams_write_whole_lines(monkeypatch):
-    """PYTHONUNBUFFERED=1: print("a", 1) wrote each piece on its own, and mpirun's rank tags
-    split the line; after hvdtrain.init's `_whole_lines` a line is one write."""
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_rank_s_streams_write_whole_lines(monkeypatch, unbuffered):
+    """PYTHONUNBUFFERED=1: print("a", 1) wrote each piece on its own; block-buffered (a pipe's
+    default), 8 KB at a time wherever the buffer ended, mid-character in a model's summary:
+    mpirun tags each piece. After hvdtrain.init's `whole_lines` a line is one write."""
     import io
     import sys
 
-    from hvdtrain.runtime import process
+    from hvdtrain.runtime import streams
 
     class Raw(io.RawIOBase):
         writes = []
@@ -346,8 +348,12 @@ def test_unbuffered_streams_write_whole_lines(monkeypatch):
             self.writes.append(bytes(b))
             return len(b)
 
-    stream = io.TextIOWrapper(io.BufferedWriter(Raw(), 1), write_through=True)
+    size = 1 if unbuffered else 8192
+    stream = io.TextIOWrapper(io.BufferedWriter(Raw(), size), write_through=unbuffered)
     monkeypatch.setattr(sys, "__stdout__", stream)
-    process._whole_lines()
+    streams.whole_lines()
     print("rank", 1, "says", "hello", file=stream)
     assert Raw.writes == [b"rank 1 says hello\n"]
+    for _ in range(100):  # 30 KB of a summary's lines, 3 bytes a character
+        print("\u2501" * 100, file=stream)
+    assert all(w.endswith(b"\n") for w in Raw.writes) and len(Raw.writes) == 101

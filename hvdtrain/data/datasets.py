@@ -5,7 +5,36 @@ import tensorflow as tf
 from hvdtrain.data.base import Data, chain
 from hvdtrain.errors import HvdtrainError, invalid_value, kind_of
 
-__all__ = ["DatasetData"]
+__all__ = ["DatasetData", "batched_by"]
+
+# The tf.data steps that batch (Python classes of tf.data: `ds.batch(64)` is a _BatchDataset).
+_BATCHING = {
+    "_BatchDataset": "batch",
+    "_PaddedBatchDataset": "padded_batch",
+    "_ParallelBatchDataset": "batch",
+    "_DenseToRaggedDataset": "ragged_batch",
+    "_MapAndBatchDataset": "map_and_batch",
+}
+
+
+def batched_by(ds):
+    """`.batch(64)` (the step, with its size where known) when `ds` batches its samples, or
+    None: its own steps, back to its source, hold a batch not undone by an `.unbatch()`
+    (what happens inside an `interleave` or `flat_map` is not looked at)."""
+    for _ in range(1000):  # a pipeline of steps, each with its input
+        name = type(ds).__name__
+        if name == "_UnbatchDataset":
+            return None
+        if name in _BATCHING:
+            try:
+                size = int(ds._batch_size)
+            except (AttributeError, TypeError, ValueError):
+                size = ""
+            return f".{_BATCHING[name]}({size})"
+        ds = getattr(ds, "_input_dataset", None)
+        if ds is None:
+            return None
+    return None
 
 
 class DatasetData(Data):
@@ -59,6 +88,15 @@ class DatasetData(Data):
                 raise HvdtrainError(
                     f"Invalid value for `train_fn`: it returned {kind_of(ds)}; expected "
                     "a tf.data.Dataset of samples."
+                )
+            batched = batched_by(ds)
+            if batched:
+                raise HvdtrainError(
+                    f"Invalid value for `train_fn`: it returned a batched tf.data.Dataset "
+                    f"({batched}); expected this rank's samples for one epoch, unbatched: "
+                    "hvdtrain batches them itself, --batch-size samples per rank. Leave out "
+                    f"the {batched} (and the .prefetch after it), as "
+                    "docs/from-tf-distribute.md shows."
                 )
             # Fewer samples than the steps need: an error on this rank, not a hang.
             ds = ds.take(per_epoch).apply(tf.data.experimental.assert_cardinality(per_epoch))

@@ -12,8 +12,11 @@ for `hvdtrain.fit`'s `data`; the trainer asks it once per start. It sits above t
 
 import inspect
 
+import tensorflow as tf
+
 from hvdtrain.data import ArrayData, Data
 from hvdtrain.data.batches import BatchData, is_batches
+from hvdtrain.data.datasets import batched_by
 from hvdtrain.errors import invalid_value
 
 __all__ = ["as_data"]
@@ -52,6 +55,18 @@ def as_data(source, limit=None):
 def _of(data):
     if isinstance(data, Data):
         return data
+    parts = data if isinstance(data, tuple | list) else [data]
+    given = next((part for part in parts if isinstance(part, tf.data.Dataset)), None)
+    if given is not None:  # a whole dataset, as MirroredStrategy's fit takes it
+        batched = batched_by(given)
+        what = f"a batched tf.data.Dataset ({batched})" if batched else "a tf.data.Dataset"
+        raise invalid_value(
+            "data", what,
+            "hvdtrain.DatasetData(make_dataset, num_samples=N), with make_dataset(rank, size, "
+            "seed, epoch) returning this rank's samples for one epoch, unbatched (hvdtrain "
+            "shards nothing of a whole dataset, and batches by --batch-size per rank); see "
+            "docs/from-tf-distribute.md",
+        )  # fmt: skip
     if is_batches(data):
         return BatchData(data)
     if isinstance(data, tuple | list) and len(data) == 2:

@@ -9,7 +9,9 @@
 Modules: `hosts` (-H and hostfiles), `slurm` (allocations), `commands` (pure builders:
 config -> argv and environment), `elastic` (`--elastic`: horovodrun's elastic flags and the
 discovery script), `doctor` (host checks), `kubernetes` (MPIJob YAML), `cli` (the
-`hvdtrain-run` console script). None of them imports TensorFlow or Horovod.
+`hvdtrain-run` console script), `supervise` (running the job), `tags` (a rank's pieces of a
+line joined), `notebook` (`hvdtrain.launch`: a function run on the ranks) and `run_fn` (its
+rank's side). None of them imports TensorFlow or Horovod.
 """
 
 from hvdtrain.launcher.commands import LaunchConfig, build_command, format_command

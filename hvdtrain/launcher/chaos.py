@@ -58,6 +58,7 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     KINDS,
     MARKER,
     Fault,
+    checkpoint_order,
     complete_checkpoints,
     job_processes,
     moment,
@@ -324,14 +325,16 @@ class _Chaos:
         """Waits for the fault's moment (`moment`): a share of the start-up, or a share of
         the interval after a checkpoint of the uninterrupted run appears, or of the end."""
         startup, interval = self._estimates()
-        remaining = [n for n in sorted(self.timeline) if resumed_from is None or n > resumed_from]
+        after = checkpoint_order(resumed_from) if resumed_from is not None else None
+        remaining = [n for n in sorted(self.timeline, key=checkpoint_order)
+                     if after is None or checkpoint_order(n) > after]  # fmt: skip
         where = moment(fault.fraction, len(remaining), fault.kind == "kill-in-checkpoint")
         if where[0] == "start-up":
             strike = job.started + where[1] * startup
         else:
             anchor = remaining[where[1]]
             while job.proc.poll() is None and not any(
-                n >= anchor for n in complete_checkpoints(ckpt)
+                checkpoint_order(n) >= checkpoint_order(anchor) for n in complete_checkpoints(ckpt)
             ):
                 time.sleep(0.02)
             strike = time.monotonic() + where[2] * interval
@@ -379,13 +382,13 @@ class _Chaos:
                 target = self._rank_pid(job, 0)
         if job.proc.poll() is None:
             newest = complete_checkpoints(ckpt)
-            last = max(self.timeline) if self.timeline else None
+            last = max(self.timeline, key=checkpoint_order) if self.timeline else None
             phase = "training"
             if faults.writing_checkpoint(ckpt):
                 phase = "checkpoint write"
             elif newest == before:
                 phase = "start-up"
-            elif last and newest and newest[-1] >= last:
+            elif last and newest and checkpoint_order(newest[-1]) >= checkpoint_order(last):
                 phase = "after training"
             epoch, step = faults.checkpoint_position(newest[-1] if newest else None)
             record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
@@ -438,7 +441,7 @@ class _Chaos:
         record["checkpoint_lost"] = bool(
             newest_before
             and newest_before not in after
-            and not any(n > newest_before for n in after)
+            and not any(checkpoint_order(n) > checkpoint_order(newest_before) for n in after)
         )
         if fault.kind == "damage-checkpoint" and after:
             faults.damage_checkpoint(ckpt, after[-1])

@@ -86,7 +86,17 @@ from hvdtrain.recipe.flags import ArgumentParser
 from hvdtrain.runtime import orphan
 from hvdtrain.runtime.numbers import whole_number_type
 
-__all__ = ["main", "parse_args", "make_config", "resolve_hosts", "run_command", "k8s_main"]
+__all__ = [
+    "main",
+    "parse_args",
+    "make_config",
+    "resolve_hosts",
+    "prepare",
+    "Job",
+    "this_host_names",
+    "run_command",
+    "k8s_main",
+]
 
 _INSTALL_HINT = {
     "horovodrun": "install Horovod into this Python's environment (launch/setup_host.sh)",
@@ -331,7 +341,7 @@ def make_config(args, environ):
         hosts,
         bool(allocation and not explicit),
         find_program("mpirun", os.path.dirname(sys.executable), environ.get("PATH", "")),
-        _own_names(),
+        this_host_names(),
     )
     if backend == "srun":
         if not allocation:
@@ -371,58 +381,94 @@ def make_config(args, environ):
     )
 
 
-def _launch(args):
-    environ = dict(os.environ)
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A launch checked and built (`prepare`): the command, and what watches it.
+
+    Args:
+        argv: the launcher's command (horovodrun, mpirun, srun).
+        env: the launcher's whole environment.
+        line: the command as one shell line, secrets masked (`format_command`).
+        hosts: the host of each rank ([] under srun, where SLURM places them).
+        grace: seconds the launcher has to end after a rank's end (`failures`).
+        probe: `() -> {host: why}` for the other hosts that no longer answer, or None.
+        elastic: the `elastic.ElasticSpec` of an elastic job, or None.
+        warnings: lines to print before the job starts, unless quiet.
+        remote: the hosts other than this one, each once.
+    """
+
+    argv: list
+    env: dict
+    line: str
+    hosts: list
+    grace: float
+    probe: object = None
+    elastic: object = None
+    warnings: tuple = ()
+    remote: tuple = ()
+
+
+def prepare(args, environ, dry_run=False):
+    """The `Job` that runs `args` (parsed, `parse_args`) from `environ`: the config checked,
+    the launcher found, the other hosts reached over ssh and the program found where the
+    ranks look for it (not for a `dry_run`). Starts nothing."""
     grace = failures.launcher_grace_seconds(environ)
-    spec = None
+    spec, warnings = None, []
     if args.elastic:  # horovodrun --gloo with a discovery script: hvdtrain.launcher.elastic
         config, spec = elastic.make_config(args, environ, make_config, resolve_hosts)
     else:
-        config, loopback = gloo_on_loopback(make_config(args, environ), _own_names())
-        if loopback and not args.quiet:
-            print(f"{PROG}: warning: {loopback}", file=sys.stderr, flush=True)
+        config, loopback = gloo_on_loopback(make_config(args, environ), this_host_names())
+        warnings += [loopback] if loopback else []
     bindir = os.path.dirname(sys.executable)
     name = program_for(config.backend)
     program = find_program(name, bindir, environ.get("PATH", ""))
-    if program is None and not args.dry_run:
+    if program is None and not dry_run:
         raise HvdtrainError(f"{name} not found in {bindir} or on PATH; {_INSTALL_HINT[name]}")
     if spec:
         argv, env = elastic.build_command(config, spec, environ, bindir, program or name)
+        warnings += spec.warnings
     else:
         argv, env = build_command(config, environ, os.geteuid(), bindir, program or name)
     line = format_command(argv, env, environ)
-    for warning in spec.warnings if spec and not args.quiet else ():
-        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    if args.dry_run:
-        print(line, flush=True)
-        return 0
     hosts = failures.rank_hosts(config.hosts, config.np) if config.backend != "srun" else []
     remote = _remote_hosts(config) if config.backend != "srun" else []
-    if not spec and remote:
+    if not dry_run and not spec and remote:
         _check_reachable(config, remote, hosts)
-    if not spec and not remote and config.backend != "srun":
+    if not dry_run and not spec and not remote and config.backend != "srun":
         _check_program(config.command[0], {**environ, **env}.get("PATH", ""))
-    if not args.quiet:
+    if not dry_run:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         crowded = crowding_warning(args, config.np, environ, cores or os.cpu_count() or 1)
-        if crowded:
-            print(f"{PROG}: warning: {crowded}", file=sys.stderr, flush=True)
-        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+        warnings += [crowded] if crowded else []
     env = {**env, orphan.LAUNCHER_ENV: orphan.identity()}  # its ranks end when it is gone
-    if spec:  # elastic: a rank that ends is replaced; Horovod's driver decides
-        return run_command(argv, {**environ, **env}, hosts, elastic_spec=spec)
     probe = None
-    if remote:
+    if remote and not spec:
 
         def probe():
             return doctor.unreachable(remote, config.ssh_port, config.ssh_identity_file, 15)
 
-    return run_command(argv, {**environ, **env}, hosts, grace, probe)
+    return Job(
+        argv, {**environ, **env}, line, hosts, grace, probe, spec, tuple(warnings), tuple(remote)
+    )
+
+
+def _launch(args):
+    job = prepare(args, dict(os.environ), dry_run=args.dry_run)
+    for warning in job.warnings if not args.quiet else ():
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        print(job.line, flush=True)
+        return 0
+    if not args.quiet:
+        print(f"{PROG}: {job.line}", file=sys.stderr, flush=True)
+    if job.elastic:  # a rank that ends is replaced; Horovod's driver decides
+        return run_command(job.argv, job.env, job.hosts, elastic_spec=job.elastic)
+    return run_command(job.argv, job.env, job.hosts, job.grace, job.probe)
 
 
 def _remote_hosts(config):
     """The hosts of `config` other than this one, each once."""
-    own = _own_names()
+    own = this_host_names()
     return list(dict.fromkeys(h.name for h in config.hosts if not is_local(h.name, own)))
 
 
@@ -448,7 +494,8 @@ def _check_program(program, path):
         raise invalid_value("command", program, "a program on PATH, or a path to one, on this host")
 
 
-def _own_names():
+def this_host_names():
+    """This host's names: its hostname, and its short name."""
     name = socket.gethostname()
     return tuple(dict.fromkeys([name, name.split(".")[0]]))
 
@@ -466,7 +513,7 @@ def _doctor(args):
         hosts,
         python=args.python or sys.executable,
         launch_python=sys.executable,
-        own_names=_own_names(),
+        own_names=this_host_names(),
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
         timeout=args.timeout or 120,

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 
+from hvdtrain.recipe import names
 from hvdtrain.runtime import processes
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "job_processes",
     "rank_pid",
     "complete_checkpoints",
+    "checkpoint_order",
     "checkpoint_position",
     "writing_checkpoint",
     "damage_checkpoint",
@@ -151,7 +153,13 @@ def complete_checkpoints(folder):
         return []
     done = [n for n in names if n.startswith("epoch-") and "." not in n]
     done = [n for n in done if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
-    return sorted(done)
+    return sorted(done, key=checkpoint_order)
+
+
+def checkpoint_order(name):
+    """Where checkpoint `name` is in its run, to compare and sort by: not its text, which puts
+    `epoch-0002` (the end of epoch 2) before `epoch-0002-step-000004` (`names`)."""
+    return (names.position_of(name) if name else None) or (-1, -1)
 
 
 def checkpoint_position(name):

@@ -2,10 +2,14 @@
 in its own session, forwards SIGINT and SIGTERM to it, filters its stderr through
 `failures.OutputFilter` so that a failed job ends with one line naming the rank and host,
 and ends a launcher that outlives a rank's end by its grace. `hvdtrain-run` (cli.py)
-parses and builds the command; this module runs it.
+parses and builds the command; this module runs it. `supervise` is the same run with what
+became of it (`Outcome`) and, for `hvdtrain.launch`, both of the job's streams handed to an
+object of the caller's instead of this process's own.
 """
 
+import dataclasses
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -18,21 +22,47 @@ import time
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
 from hvdtrain.launcher.noise import noise_unwanted
+from hvdtrain.launcher.tags import Rejoin
 from hvdtrain.runtime import processes
 from hvdtrain.runtime.numbers import decimal
 from hvdtrain.runtime.stall import stall_shutdown_seconds
 from hvdtrain.runtime.watchdog import without_marker
 
-__all__ = ["PROG", "run_command"]
+__all__ = ["PROG", "Outcome", "run_command", "supervise"]
 
 PROG = "hvdtrain-run"  # the launcher's name, at the start of its lines
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What became of a supervised job.
+
+    Args:
+        code: its exit status (128+N when it died of signal N; a failed rank's own).
+        received: the name of the signal this process got and passed on to the job
+            ("SIGINT", "SIGTERM"), or None.
+        line: the one line that says why the job failed, as `hvdtrain-run` prints it after
+            its name, or None.
+        failure: the `failures.Failure` read from the launcher's output, or None.
+    """
+
+    code: int
+    received: str | None = None
+    line: str | None = None
+    failure: failures.Failure | None = None
+
+
 def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None):
+    """`hvdtrain-run`'s run of a job: `supervise`, its last line printed; returns the exit
+    code."""
+    return supervise(argv, env, hosts, grace, probe, elastic_spec).code
+
+
+def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, output=None):
     """Runs `argv` with `env` in its own process group; forwards SIGINT/SIGTERM to that
-    group; returns its exit code (128+N when it died of signal N). A job that ends after the
-    launcher got a signal and passed it on gets one line saying so, not which rank ended
-    first.
+    group; returns its `Outcome`, whose code is 128+N when it died of signal N. A job that
+    ends after the launcher got a signal and passed it on gets one line saying so, not which
+    rank ended first.
 
     With `hosts` (the host of each rank), the launcher's stderr passes through a
     `failures.OutputFilter`: its own traceback after a failed rank is left out and, when
@@ -49,7 +79,13 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
 
     A rank of this host stopped whole (SIGSTOP, SIGTSTP) for the stall time is ended, and
     the job with it, in one line naming it (exit 124): its watchdog cannot run, and where
-    no other rank waits for it (past the job's last collective) nothing else would end it."""
+    no other rank waits for it (past the job's last collective) nothing else would end it.
+
+    `output`: None (the job's stdout is this process's, its stderr written to `sys.stderr`,
+    the last line printed there), or an object whose `write(stream, lines)` takes the lines
+    of both ("stdout", "stderr": both piped, each rank's pieces joined, `tags.Rejoin`) in
+    this thread, and the last line is only returned. Signals are forwarded only when called
+    in the main thread (the only one Python lets set a handler)."""
     child, pending, timers, ended, notes, stopped = [], [], [], [], [], []
     received = []  # the signals forwarded to the job (a preemption, a kill, Ctrl-C)
     lock, done = threading.Lock(), threading.Event()
@@ -72,8 +108,7 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             unseen = [n for n in notes if not any(n.strip() in s for s in watch.seen)]
             watch.seen.extend(unseen)
         if not ended:
-            sys.stderr.writelines(without_marker(n) for n in unseen)
-            sys.stderr.flush()
+            lines.put(("shown", [without_marker(n) for n in unseen]))
         ended[:] = [grace]
         _signal_session(child[0].pid, signum)
 
@@ -108,22 +143,36 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
                 start_grace()
                 return
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if main:
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     watch = None
     if hosts is not None:
         cooldown = elastic_spec.cooldown_range if elastic_spec else None
         quiet = noise_unwanted(env)
         watch = failures.OutputFilter(elastic=bool(elastic_spec), cooldown=cooldown, quiet=quiet)
+    lines = queue.Queue()  # (stream, line or None at its end); ("shown", lines) to write
+
+    def show(stream, shown):
+        if output is not None:
+            output.write(stream, shown)
+        elif shown:
+            sys.stderr.writelines(shown)
+            sys.stderr.flush()
+
     try:
         try:
+            piped = subprocess.PIPE
             child.append(
                 subprocess.Popen(
                     argv,
                     env=env,
                     start_new_session=True,
-                    stderr=subprocess.PIPE if watch else None,
+                    stdout=piped if output is not None else None,
+                    stderr=piped if watch or output is not None else None,
                     text=True,
-                    errors="replace",
+                    errors="surrogateescape",  # a character split between pieces: `Rejoin`
                 )
             )
         except OSError as e:
@@ -137,17 +186,43 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             threading.Thread(
                 target=watch_stopped, args=(limit,), name="hvdtrain-stopped", daemon=True
             ).start()
-        if watch:
-            for line in child[0].stderr:
-                with lock:
-                    shown = watch.feed(line)
+        streams = {"stdout": child[0].stdout, "stderr": child[0].stderr}
+        streams = {name: f for name, f in streams.items() if f is not None}
+        for name, f in streams.items():
+            threading.Thread(
+                target=_read, args=(f, name, lines), name=f"hvdtrain-{name}", daemon=True
+            ).start()
+        rejoin = {name: Rejoin() for name in streams}
+        open_streams = set(streams)
+        while open_streams:
+            stream, line = lines.get()
+            if stream == "shown":  # the ranks' last lines, when their launcher was ended
+                show("stderr", line)
+                continue
+            if line is None:
+                open_streams.discard(stream)
+                whole = rejoin[stream].flush()
+            else:
+                whole = rejoin[stream].feed(line)
+            for line in whole:
+                if stream == "stdout":
+                    show("stdout", [line])
+                    continue
+                shown = [line]
+                if watch:
+                    with lock:
+                        shown = watch.feed(line)
                 if not ended:  # after that: the launcher's reaction to being ended
-                    sys.stderr.writelines(shown)
-                    sys.stderr.flush()
+                    show("stderr", shown)
                 if grace and failures.is_ending(line):
                     start_grace()
-            sys.stderr.writelines(watch.flush())
+        if watch:
+            show("stderr", watch.flush())
         code = child[0].wait()
+        while not lines.empty():  # the ranks' last lines put there as the launcher ended
+            stream, shown = lines.get()
+            if stream == "shown":
+                show("stderr", shown)
     finally:
         with lock:
             done.set()
@@ -158,15 +233,13 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code
+    received = signal.Signals(received[0]).name if received else None
+    line, failure = None, None
     if stopped:
-        print(f"{PROG}: {stopped[0]}", file=sys.stderr, flush=True)
-        return failures.STALLED
-    if received and code:  # the job ended because it was told to, not by a rank's failure
-        name = signal.Signals(received[0]).name
-        print(f"{PROG}: received {name} and passed it to the job, which ended", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return code
-    if watch and code:
+        line, code = stopped[0], failures.STALLED
+    elif received and code:  # the job ended because it was told to, not by a rank's failure
+        line = f"received {received} and passed it to the job, which ended"
+    elif watch and code:
         failure = failures.find_failure(watch.seen, hosts)
         down = probe() if probe and not (failure and failure.exit_code == 255) else {}
         if down:
@@ -175,11 +248,19 @@ def run_command(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None
             line, code = failures.explain(failure, hosts), failure.exit_code or code
         elif ended:
             line = f"the launcher was still running {grace:g} s after a rank ended; ended it"
-        else:
-            line = None
-        if line:
-            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-    return code
+    if line and output is None:
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    return Outcome(code, received, line, failure)
+
+
+def _read(f, stream, lines):
+    """Puts each line of `f` on `lines` as (stream, line), then (stream, None)."""
+    try:
+        for line in f:
+            lines.put((stream, line))
+    except (OSError, ValueError):  # closed under us
+        pass
+    lines.put((stream, None))
 
 
 def _read_notes(folder):

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.errors import TrainingDiverged, invalid_value
+from hvdtrain.recipe import names
 from hvdtrain.runtime.stall import stall_shutdown_seconds
 from hvdtrain.runtime.watchdog import OTHER_RANKS, OWN_SETUP, OWN_WORK, Watchdog, doing
 
@@ -98,11 +99,9 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
                 path = self.manager.save(
                     epoch, self._extra(), step=step, history=self.history, **self.fields
                 )
-                # The folder is named by the epochs done (epoch-0001-step-000050: after
-                # epoch 1, 50 steps into epoch 2): the line says both.
-                done = f"after epoch {epoch}, " if epoch else ""
-                log.info("saved checkpoint %s (%s%d steps into epoch %d)", path, done, step,
-                         epoch + 1)  # fmt: skip
+                # epoch-0002-step-000050: epoch 2, step 50, as the line says (`names`).
+                log.info("saved checkpoint %s (%s)", path,
+                         names.describe(self.global_step, self.steps_per_epoch))  # fmt: skip
 
     def on_epoch_end(self, epoch, logs=None):
         if self.steps_per_epoch:

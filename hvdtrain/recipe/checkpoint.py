@@ -5,6 +5,12 @@ Layout of a checkpoint directory::
     ckpt/epoch-0003/manifest.json   # a `Manifest`: format, epoch, step, model, files' SHA-256
     ckpt/epoch-0003/state.index     # model weights + optimizer state (tf.train.Checkpoint)
     ckpt/epoch-0003/state.data-00000-of-00001
+    ckpt/epoch-0004-step-000050/    # mid-epoch (--checkpoint-every): epoch 4, step 50
+
+Folder names number epochs and steps from 1, as hvdtrain's lines do (`hvdtrain.recipe.names`:
+`epoch-0003` is the end of epoch 3, `epoch-0004-step-000050` is after step 50 of epoch 4);
+checkpoints whose manifest is of format 1 or 2 named a mid-epoch folder by the epochs done,
+and are still found, ordered and resumed by their manifest.
 
 Resuming in a loop of your own (`hvdtrain.fit` does all of this)::
 
@@ -42,16 +48,16 @@ import time
 import tensorflow as tf
 
 from hvdtrain.errors import HvdtrainError, one_line
-from hvdtrain.recipe import outputs
+from hvdtrain.recipe import names, outputs
 from hvdtrain.runtime import orphan
 
 __all__ = ["CheckpointManager", "Manifest", "FORMAT", "model_fingerprint"]
 
 log = logging.getLogger("hvdtrain")
-# epoch-0003: after 3 epochs; epoch-0003-step-000050: 50 steps into the 4th epoch.
-_NAME = re.compile(r"^epoch-([0-9]{4,})(?:-step-([0-9]{6,}))?$")
-FORMAT = 2  # written; 1 (hvdtrain 0.1's, the same fields less `data`) is read too
-_READABLE = (1, 2)
+# Written: 3 names a mid-epoch folder by the epoch it is in (`names`). Read too: 2 (the same
+# fields; a mid-epoch folder named by the epochs done) and 1 (hvdtrain 0.1's, less `data`).
+FORMAT = names.NAMED_BY_ITS_EPOCH
+_READABLE = (1, 2, 3)
 _MAX_MANIFEST = 16 << 20  # bytes; a real manifest is about 1 KB
 _held = {}  # {folder: its open descriptor, locked}: the folders this process holds
 
@@ -244,15 +250,18 @@ class CheckpointManager:
 
     # -- reading ------------------------------------------------------------------------
     def _epochs(self):
-        """[((epoch, step), path)], newest first."""
+        """[((epochs done, steps into the next), path)], newest first. A mid-epoch folder's
+        name means one thing or another by its manifest's format (`names.position_of`)."""
         if not os.path.isdir(self.directory):
             return []
         found = []
         for name in os.listdir(self.directory):
-            m = _NAME.match(name)
-            if m:
-                key = (int(m.group(1)), int(m.group(2) or 0))
-                found.append((key, os.path.join(self.directory, name)))
+            path = os.path.join(self.directory, name)
+            key = names.position_of(name)
+            if key is not None and key[1]:  # mid-epoch: the format says how it is named
+                key = names.position_of(name, _format_of(path))
+            if key is not None:
+                found.append((key, path))
         return sorted(found, reverse=True)
 
     def _manifest(self, path, epoch, step):
@@ -375,7 +384,7 @@ class CheckpointManager:
         global_batch, steps_per_epoch, prog, logs, data, history); `extra` goes to its
         `extra`. With `replace`, a complete checkpoint of the same epoch and step is
         replaced (set aside until the new one is in place, then deleted)."""
-        name = f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
+        name = names.folder_name(epoch, step)
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -489,6 +498,21 @@ def _lock_holder(fd):
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _format_of(path):
+    """The `format` of checkpoint folder `path`'s manifest; `FORMAT` where it cannot be read
+    (the folder is then skipped as damaged, wherever it sorts)."""
+    try:
+        file = os.path.join(path, "manifest.json")
+        if _regular(file) and os.path.getsize(file) <= _MAX_MANIFEST:
+            with open(file, encoding="utf-8") as f:
+                found = json.load(f).get("format", 1)
+            if type(found) is int:
+                return found
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return FORMAT
 
 
 def _regular(path):

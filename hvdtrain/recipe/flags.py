@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.runtime.numbers import whole_number, whole_number_type
@@ -353,11 +354,23 @@ class ArgumentParser(argparse.ArgumentParser):
         raise HvdtrainError(f"{message}. See `{self.prog} --help`.")
 
     def parse_args(self, args=None, namespace=None):
-        """Parses and checks the flags (no TensorFlow needed)."""
+        """Parses and checks the flags (no TensorFlow needed): `args`, by default the command
+        line's; in a Jupyter kernel, whose command line is the kernel's own (`-f
+        kernel-....json`), none: the defaults and what you set on the result."""
+        if args is None and _in_a_kernel(sys.argv[1:]):
+            args = []
         parsed = super().parse_args(args, namespace)
         if self._training:
             make_config(parsed)  # raises on a bad value
         return parsed
+
+
+def _in_a_kernel(argv):
+    """Whether this process is a Jupyter kernel (ipykernel loaded) started with its
+    connection file (`-f FILE` or `--f=FILE`, as Jupyter and VS Code start it)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    return "-f" in argv or any(arg.startswith("--f=") for arg in argv)
 
 
 def _add_training_flags(p, d):

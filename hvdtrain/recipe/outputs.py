@@ -61,14 +61,17 @@ def check_writable(path, flag, folder=False):
 
 
 def export_model(model, build_fn, path, policy=None):
-    """Saves `model`'s weights in a fresh copy from `build_fn()` that plain Keras loads; on
-    rank 0 only (the others return None, writing nothing).
+    """Saves the trained `model` so that plain Keras loads it; on rank 0 only (the others
+    return None, writing nothing).
 
-    The copy has no Horovod optimizer, so plain Keras loads it without Horovod installed
-    (a Keras 2 model's: `tf_keras.models.load_model(path)`, or `tf.keras` under
-    TF_USE_LEGACY_KERAS=1); it is built in float32 when `model` was trained under the mixed
-    precision `policy`. A model of a class of your own (one that customizes `fit`: a GAN, a
-    VAE) is saved as its weights, `<path without suffix>.weights.h5`, which
+    The model itself is saved, with a fresh optimizer of the class and settings it was
+    compiled with in place of the distributed one: plain Keras loads it without Horovod
+    installed (a Keras 2 model's: `tf_keras.models.load_model(path)`, or `tf.keras` under
+    TF_USE_LEGACY_KERAS=1), compiled as you compiled it. `build_fn` is called (once, on
+    rank 0) only where the model cannot be saved as it trained: under a mixed precision
+    `policy` (a copy built in float32 takes the weights), and for a model compiled without
+    an optimizer Keras can read back. A model of a class of your own (one that customizes
+    `fit`: a GAN, a VAE) is saved as its weights, `<path without suffix>.weights.h5`, which
     `build_model().load_weights(path)` loads (the path written is returned). The format
     follows the suffix, as Keras' `save`: `.keras` (Keras' zip), `.h5` (HDF5), no suffix (a
     SavedModel folder). Written beside `path` first, then renamed; missing parent folders
@@ -84,6 +87,63 @@ def export_model(model, build_fn, path, policy=None):
         rank = env_rank()
     if rank != 0:
         return None
+    fresh = None
+    if type(model).__module__.partition(".")[0] not in ("keras", "tf_keras"):
+        # A model class of the user's own (a GAN, a VAE): Keras loads it whole only with its
+        # class and a get_config; its weights load into build_model() with load_weights.
+        path, save = os.path.splitext(path)[0] + ".weights.h5", model.save_weights
+        if model.weights and not model.built:  # its layers are: a model that trains itself
+            model.built = True  # is never called whole, and Keras 3 saves only a built one
+    elif not policy and (fresh := _fresh_optimizer(model)) is not None:
+        save = model.save
+    else:
+        save = _plain_copy(model, build_fn, policy).save
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    suffix = next((s for s in (".weights.h5", ".keras", ".h5", ".hdf5") if name.endswith(s)), "")
+    tmp = os.path.join(folder, f".{name}.export-{os.getpid()}{suffix}")
+    held = model.optimizer if fresh is not None else None
+    try:
+        if fresh is not None:  # saved with the model; the distributed one back afterwards
+            model.optimizer = fresh
+        save(tmp)
+        if not suffix and os.path.isdir(path):  # a SavedModel folder: replace the old one
+            old = f"{tmp}.old"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if fresh is not None:
+            model.optimizer = held
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _fresh_optimizer(model):
+    """A new optimizer as `model` was compiled with (its compile config: the class and
+    settings you gave, not the distributed one), its slots made; None where the model keeps
+    no such config."""
+    from hvdtrain.frontends import for_model
+
+    try:
+        spec = (model.get_compile_config() or {}).get("optimizer")
+        if spec is None:
+            return None
+        optimizer = for_model(model).keras.optimizers.deserialize(spec)
+        optimizer.build(model.trainable_variables)  # so that it loads as saved
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+    return optimizer
+
+
+def _plain_copy(model, build_fn, policy):
+    """`build_fn()` (in float32 under a mixed precision `policy`) with `model`'s weights."""
     if policy:
         from hvdtrain.frontends import for_model
 
@@ -98,29 +158,4 @@ def export_model(model, build_fn, path, policy=None):
     plain.set_weights(model.get_weights())
     if getattr(plain, "optimizer", None) is not None:  # its slots, so that it loads as saved
         plain.optimizer.build(plain.trainable_variables)  # (no "Skipping variable loading")
-    save = plain.save
-    if type(plain).__module__.partition(".")[0] not in ("keras", "tf_keras"):
-        # A model class of the user's own (a GAN, a VAE): Keras loads it whole only with its
-        # class and a get_config; its weights load into build_model() with load_weights.
-        path, save = os.path.splitext(path)[0] + ".weights.h5", plain.save_weights
-        plain.built = True  # its layers are; a model that trains itself is never called whole
-    path = os.path.abspath(path)
-    folder, name = os.path.split(path)
-    os.makedirs(folder, exist_ok=True)
-    suffix = next((s for s in (".weights.h5", ".keras", ".h5", ".hdf5") if name.endswith(s)), "")
-    tmp = os.path.join(folder, f".{name}.export-{os.getpid()}{suffix}")
-    try:
-        save(tmp)
-        if not suffix and os.path.isdir(path):  # a SavedModel folder: replace the old one
-            old = f"{tmp}.old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return plain

@@ -11,11 +11,13 @@ single-worker rates the callbacks set come back with it.
 """
 
 import dataclasses
+import os
 
 import horovod.tensorflow as hvd
 import numpy as np
 
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.recipe import names
 from hvdtrain.runtime import process
 
 __all__ = ["Resumed", "from_newest", "resume_step", "steering"]
@@ -56,8 +58,10 @@ def steering(schedules, model, epochs):
 class Resumed:
     """What a run starts from: the global step, the metrics of the epochs before it, the
     epoch after which a callback stopped training (0-based, or None) and where the
-    checkpoint put the run (its `epoch`, `step` and `optimizer_iterations`; None: a start
-    from scratch)."""
+    checkpoint put the run (the metrics JSON's `resumed_from`: its `epoch` and `step`
+    counted from 1 as its folder's name and hvdtrain's lines count them (`names`), the
+    folder's name `checkpoint`, and the `optimizer_iterations` this run starts at; None: a
+    start from scratch)."""
 
     start_step: int = 0
     history: dict = dataclasses.field(default_factory=dict)
@@ -100,7 +104,9 @@ def from_newest(manager, cfg, place, steps, batch_size, schedules, log):
                 manager.directory,
                 manager.found(),
             )
-        return found and manager.restore(found).to_dict()
+        if found is None:
+            return None
+        return {**manager.restore(found).to_dict(), "folder": os.path.basename(found.path)}
 
     saved = process.agree(latest, root_only=True)
     saved = hvd.broadcast_object(saved, root_rank=0, name="hvdtrain.recipe.resume")
@@ -119,18 +125,25 @@ def from_newest(manager, cfg, place, steps, batch_size, schedules, log):
         schedule = schedules.get(name)
         if schedule is not None and schedule.rate is not None:
             schedule.set_single_worker(rate)  # what a callback set before the resume
-    where = {"epoch": saved["epoch"], "step": saved["step"], "optimizer_iterations": step}
+    # Where the checkpoint was, as its folder's name and the lines say it (`names`).
+    written = saved.get("steps_per_epoch") or steps
+    epoch, in_epoch = names.human(saved["epoch"] * written + saved["step"], written)
+    where = {
+        "epoch": epoch,
+        "step": in_epoch,
+        "checkpoint": saved.get("folder") or names.folder_name(saved["epoch"], saved["step"]),
+        "optimizer_iterations": step,
+    }
     if saved.get("global_batch") not in (None, global_batch):
         log.warning(
             "the checkpoint was written with %s rank(s) x batch %d; this run has %d x %d: "
-            "resuming at epoch %d step %d (the same samples seen; the LR schedule follows "
-            "the step). The global batch changed: the results will differ.",
+            "resuming after %s (the same samples seen; the LR schedule follows the step). "
+            "The global batch changed: the results will differ.",
             saved.get("size"),
             saved["global_batch"] // (saved.get("size") or 1),
             place.size,
             batch_size,
-            step // steps + 1,
-            step % steps,
+            names.describe(step, steps),
         )
     if step >= cfg.epochs * steps:  # nothing left to train: no epoch to resume at
         log.info(
@@ -141,11 +154,9 @@ def from_newest(manager, cfg, place, steps, batch_size, schedules, log):
         )
     else:
         log.info(
-            "resuming at epoch %d, step %d of %d (global step %d) from %s",
-            step // steps + 1,
-            step % steps,
-            steps,
+            "resuming %s (global step %d) from %s",
+            f"after {names.describe(step, steps)}" if step else "at the start",
             step,
-            manager.directory,
+            os.path.join(manager.directory, where["checkpoint"]),
         )
     return Resumed(step, history, stopped, where)

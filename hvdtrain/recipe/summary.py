@@ -1,7 +1,7 @@
 """The metrics JSON: the one owner of its format (`VERSION`), what a run writes to
 `--metrics-json` on rank 0 and what `hvdtrain.fit` returns on every rank.
 
-    {"metrics_version": 1, "prog": "train.py", "status": "finished", "size": 2,
+    {"metrics_version": 2, "prog": "train.py", "status": "finished", "size": 2,
      "epochs": 15, ..., "test_accuracy": 0.9933, "ranks": [{"rank": 0, ...}, ...]}
 
 `running` (the figures so far: what a run that stopped on an error writes, with its
@@ -11,7 +11,7 @@ it from a `hvdtrain.recipe.trainer.Run`; `write` puts it on disk on rank 0.
 
 import time
 
-from hvdtrain.recipe import outputs
+from hvdtrain.recipe import names, outputs
 from hvdtrain.runtime import process
 
 __all__ = [
@@ -25,7 +25,11 @@ __all__ = [
     "write",
 ]
 
-VERSION = 1  # raised when a key changes meaning or goes away (a new key keeps it)
+# Raised when a key changes meaning or goes away (a new key keeps it). 2 (2026-12):
+# `resumed_from`'s `epoch` is the epoch the checkpoint was in, from 1, as its folder's name
+# says (`hvdtrain.recipe.names`); 1 gave the epochs done before it. `initial_epoch` is still
+# the epochs done before this run (Keras's `initial_epoch`).
+VERSION = 2
 
 
 def rank_report(run):
@@ -122,7 +126,8 @@ def first_line(run):
     steps, start, size = plan.steps, plan.start_step, plan.place.size
     where = ""
     if cfg.elastic:  # where this (re)start begins
-        where = f" from epoch {start // steps + 1}, step {start % steps} (global step {start})"
+        after = f"after {names.describe(start, steps)}" if start else "at the start"
+        where = f" {after} (global step {start})"
     accumulated = f", {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     base, scaled = b.lr_base(), b.lr_scaled()
     base = f"{base:g}" if isinstance(base, float) else base  # or the schedule's name

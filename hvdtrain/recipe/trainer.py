@@ -72,7 +72,9 @@ __all__ = ["fit", "resume_step"]
 
 def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog=None, **options):
     """Trains `build_model()` on `data` on every rank of the job; returns the run's figures
-    (the metrics JSON; rank 0 also writes it).
+    on every rank, the metrics JSON as a dict (rank 0 also writes it), with, on rank 0 with a
+    `checkpoint_dir`, `exported_model`: the path of the trained model, which plain Keras
+    loads. Load it on rank 0 to predict or evaluate (docs/notebook.md).
 
     Args:
         build_model: `() -> model`, a Keras 2 (`tf.keras`) or Keras 3 (`import keras`,
@@ -80,7 +82,8 @@ def fit(build_model, data, config=None, *, callbacks=(), class_weight=None, prog
             learning rate is the single-worker one unless `lr` says otherwise), loss and
             metrics, or a model that customizes `fit` (a `train_step` of its own, a
             `compile` of its own holding several optimizers: `hvdtrain.recipe.prepare` says where
-            they are found). Called on every rank; it must build the same model each time.
+            they are found). Called once on every rank (on rank 0 once more for the export
+            only under `mixed_precision`); it must build the same model each time.
         data: a `hvdtrain.Data` (`ArrayData`, `DatasetData`, `FileData`, `BatchData`), (x, y)
             arrays, ((x, y), (x_test, y_test)), batches made in Python (a Keras `PyDataset`
             or `Sequence`, a generator or generator function, alone or as (train, test)),

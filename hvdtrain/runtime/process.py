@@ -15,7 +15,6 @@ import hashlib
 import logging
 import os
 import socket
-import sys
 import threading
 
 import horovod.tensorflow as hvd
@@ -23,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.errors import HvdtrainError, env_rank, kind_of, note_ending, write_line
-from hvdtrain.runtime import compat, logs, orphan, stall, tuning, watchdog
+from hvdtrain.runtime import compat, logs, orphan, stall, streams, tuning, watchdog
 from hvdtrain.runtime.stall import stall_settings, stall_shutdown_seconds
 from hvdtrain.runtime.uncaught import horovod_up, report_uncaught
 
@@ -101,19 +100,6 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
     return share
 
 
-def _whole_lines():
-    """stdout and stderr write whole lines: under PYTHONUNBUFFERED=1 (common in Docker
-    images) `print("a", 1)` writes "a", " ", "1" and the newline one by one, and a launcher
-    that tags each rank's output (`[1,0]<stdout>:`) split the line between ranks' writes.
-    Line buffering flushes at each newline: output as prompt, one write per line."""
-    for stream in (sys.__stdout__, sys.__stderr__):  # the process's own, not a capture's
-        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
-            try:
-                stream.reconfigure(write_through=False, line_buffering=True)
-            except (ValueError, OSError):  # a stream already used in a way that forbids it
-                pass
-
-
 def init(
     threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, exchanges_rarely=False
 ):
@@ -149,7 +135,7 @@ def init(
         The GPU index used, or None on a CPU-only host.
     """
     report_uncaught()  # a user mistake prints one line, not a traceback
-    _whole_lines()
+    streams.whole_lines()  # mpirun tags pieces of lines: see there
     orphan.watch()  # a rank whose launcher was killed ends within a second: see there
     compat.require_keras2()  # Horovod needs Keras 2: a clear error before anything starts
     compat.horovod_as_graph_code()  # a faster first step: see there
