@@ -5,20 +5,32 @@ import tensorflow as tf
 
 from hvdtrain.exchange.rounds import Rounds
 
-__all__ = ["DiLoCo", "OuterState", "outer_step", "OUTER_MOMENTUM"]
+__all__ = ["DiLoCo", "OuterState", "outer_step", "outer_momentum", "OUTER_MOMENTUM"]
 
 OUTER_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum, the paper's
+HORIZON = 3  # exchanges of a run per exchange of the momentum's memory, 1 / (1 - momentum)
 
 
-def outer_step(every, ranks):
-    """DiLoCo's outer learning rate for H=`every` local steps between exchanges and `ranks`
-    ranks, where `--outer-lr` is not given: 0.1 up to H=16 on 2 ranks, x sqrt(H/16) above
-    it, x sqrt(ranks/2) above 2 ranks, at most the paper's 0.7. An outer Nesterov step of
-    rate r and momentum 0.9 moves the anchor by up to 10r times a pseudo-gradient that
-    repeats round after round; the measurements behind the rule are on
+def outer_momentum(exchanges):
+    """DiLoCo's outer momentum for a run of `exchanges` exchanges (None: unknown), where
+    neither `--outer-lr` nor `--outer-momentum` is given: the paper's 0.9, whose memory (1 /
+    (1 - 0.9) = 10 exchanges) fits a run of 30 or more; a shorter run's memory a third of its
+    exchanges (0.5 for 6 exchanges; none for 3 or fewer). Pure."""
+    if exchanges is None or exchanges >= HORIZON / (1 - OUTER_MOMENTUM):
+        return OUTER_MOMENTUM
+    return round(max(0.0, 1 - HORIZON / max(exchanges, 1)), 3)
+
+
+def outer_step(every, ranks, momentum=OUTER_MOMENTUM):
+    """DiLoCo's outer learning rate for H=`every` local steps between exchanges, `ranks`
+    ranks and `momentum`, where `--outer-lr` is not given: at momentum 0.9, 0.1 up to H=16
+    on 2 ranks, x sqrt(H/16) above it, x sqrt(ranks/2) above 2 ranks, at most the paper's
+    0.7. An outer Nesterov step of rate r and momentum m moves the anchor by up to r / (1 -
+    m) times a pseudo-gradient that repeats round after round: a lower momentum gets the
+    rate that keeps that step. The measurements behind the rule are on
     docs/exchanging-less.md ("DiLoCo's outer step"). Pure."""
     rate = 0.1 * max(1.0, every / 16) ** 0.5 * max(1.0, ranks / 2) ** 0.5
-    return round(min(rate, 0.7), 3)
+    return round(min(rate, 0.7) * (1 - momentum) / (1 - OUTER_MOMENTUM), 3)
 
 
 class OuterState(tf.Module):
@@ -65,6 +77,9 @@ class DiLoCo:
     def __init__(self, cfg):
         self.every = cfg.exchange_every
         self.momentum = OUTER_MOMENTUM if cfg.outer_momentum is None else cfg.outer_momentum
+        self.momentum_from = "--outer-momentum" if cfg.outer_momentum is not None else None
+        # Neither given: the pair fitted to the run's exchanges, H and the ranks.
+        self.fitted = cfg.outer_lr is None and cfg.outer_momentum is None
         self.given = cfg.outer_lr  # None: fitted to H and the ranks at every (re)start
         self.outer_lr, self.outer_from = cfg.outer_lr, "--outer-lr"
         self.outer = None  # `OuterState`, by `attach`
@@ -74,10 +89,13 @@ class DiLoCo:
         self.outer = OuterState(replica.weights)
         self.steps = OuterSteps()
 
-    def begin(self, ranks, every):
+    def begin(self, ranks, every, exchanges=None):
         self.every = every
+        if self.fitted:
+            self.momentum = outer_momentum(exchanges)
+            self.momentum_from = None if exchanges is None else f"the run's {exchanges} exchanges"
         if self.given is None:
-            self.outer_lr = outer_step(self.every, ranks)
+            self.outer_lr = outer_step(self.every, ranks, self.momentum)
             self.outer_from = f"fitted to H={self.every} and {ranks} ranks"
         if not int(self.steps.count.numpy()) and any(
             bool(tf.reduce_any(m != 0)) for m in self.outer.momentum
@@ -113,8 +131,12 @@ class DiLoCo:
         ]
 
     def describe(self):
-        return f", outer lr {self.outer_lr:g} ({self.outer_from}) momentum {self.momentum:g}"
+        out = f", outer lr {self.outer_lr:g} ({self.outer_from}) momentum {self.momentum:g}"
+        if self.momentum != OUTER_MOMENTUM and self.momentum_from:
+            out += f" (fitted to {self.momentum_from})"
+        return out
 
     def summary(self):
         return {"outer_lr": self.outer_lr, "outer_lr_from": self.outer_from,
-                "outer_momentum": self.momentum}  # fmt: skip
+                "outer_momentum": self.momentum,
+                "outer_momentum_from": self.momentum_from}  # fmt: skip

@@ -24,9 +24,9 @@ class LocalSGD:
     def attach(self, replica):
         """Once the exchange holds the model (`Replica`)."""
 
-    def begin(self, ranks, every):
+    def begin(self, ranks, every, exchanges=None):
         """At every (re)start, and where H changes (`--sync-every auto`): the job's number of
-        `ranks`, and H."""
+        `ranks`, H, and the run's number of exchanges (None: unknown)."""
 
     def holders(self):
         """{name: the state it keeps beside the model}: none."""
@@ -50,4 +50,5 @@ class LocalSGD:
         return ""
 
     def summary(self):
-        return {"outer_lr": None, "outer_lr_from": None, "outer_momentum": None}
+        return {"outer_lr": None, "outer_lr_from": None, "outer_momentum": None,
+                "outer_momentum_from": None}  # fmt: skip

@@ -24,8 +24,9 @@ class Exchange(Protocol):
         """Takes hold of `model` and its distributed `optimizers`; returns {name: the state
         it keeps beside them}, checkpointed, broadcast and committed with them."""
 
-    def begin(self, start_step, lr_warmup_steps):
-        """At every (re)start, once every rank holds the same weights."""
+    def begin(self, start_step, lr_warmup_steps, end_step=None):
+        """At every (re)start, once every rank holds the same weights; `end_step`: the run's
+        last global step (None: unknown)."""
 
     def callbacks(self, steps_per_epoch, start_step, check):
         """The Keras callbacks that drive it, first among `fit`'s: `check(when)` is the check

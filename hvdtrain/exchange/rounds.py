@@ -156,6 +156,7 @@ class Rounds:
         if cfg.sync_every == "auto":
             self.auto = AutoEvery(averager.overlap, revisit=not cfg.deterministic)
         self.state = None  # `RoundsState`, by `attach`
+        self.end_step = None  # the run's last global step, by `begin` (None: unknown)
         self._clocked = None  # the step of the epoch the last timed execution ended at
 
     # -- the Exchange interface ------------------------------------------------------------
@@ -180,7 +181,7 @@ class Rounds:
         self.state = RoundsState()
         return {**self.mode.holders(), "exchange_rounds": self.state}
 
-    def begin(self, start_step, lr_warmup_steps):
+    def begin(self, start_step, lr_warmup_steps, end_step=None):
         flag = self.warmup_flag
         self.warmup = flag if flag is not None else self.mode.default_warmup(lr_warmup_steps)
         self.syncing = start_step < self.warmup
@@ -190,7 +191,8 @@ class Rounds:
         kept = int(self.state.every.numpy())
         if self.auto is not None and kept and kept in self.auto.options:  # a resume
             self.auto.chosen = self.every = kept
-        self.mode.begin(hvd.size(), self.every)  # (an elastic reset: the ranks may change)
+        self.end_step = end_step
+        self.mode.begin(hvd.size(), self.every, self._exchanges())  # (an elastic reset too)
         self.averager.begin()
         self.sharing.plan(self.every, self.unit, self.warmup)
 
@@ -301,6 +303,12 @@ class Rounds:
             if self.auto.due(epoch_end=True):
                 self._choose()
 
+    def _exchanges(self):
+        """The run's exchanges after its warmup, at the H in force (None: its end unknown)."""
+        if self.end_step is None:
+            return None
+        return max(1, (self.end_step - self.warmup) // self.every)
+
     def _choose(self):
         """`--sync-every auto`: H agreed from the ranks' measurements, in force from here."""
         r = self.replica
@@ -311,7 +319,7 @@ class Rounds:
         before, h = self.every, self.auto.choose(agree_max, r.step)
         self.every = h
         self.state.every.assign(h)
-        self.mode.begin(hvd.size(), h)  # DiLoCo's outer rate follows H unless given
+        self.mode.begin(hvd.size(), h, self._exchanges())  # DiLoCo's rule follows H
         self.averager.retrace()
         self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
         m = self.auto.measured

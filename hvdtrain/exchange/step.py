@@ -22,7 +22,7 @@ class EveryStep:
     def attach(self, model, optimizers):
         return {}
 
-    def begin(self, start_step, lr_warmup_steps):
+    def begin(self, start_step, lr_warmup_steps, end_step=None):
         pass
 
     def callbacks(self, steps_per_epoch, start_step, check):

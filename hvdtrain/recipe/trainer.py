@@ -332,7 +332,7 @@ class Run:
             saved = {"epoch": epoch, "step": step, "global_batch": batch}
             start_step = resume_step(saved, steps, global_batch)
         b.optimizers.main.iterations.assign(start_step)  # the LR schedule follows this step
-        b.exchange.begin(start_step, warmup_steps)  # every rank holds the same weights here
+        b.exchange.begin(start_step, warmup_steps, cfg.epochs * steps)  # (the ranks agree)
         watchdog.doing("set-up: preparing the test set", watchdog.OWN_SETUP)
         test_ds = data.eval_dataset(cfg.eval_batch_size, p)
         self.plan = Plan(p, data, steps, per_rank, global_batch, warmup_steps, start_step, test_ds)
