@@ -543,9 +543,15 @@ def test_diloco_momentum_moves_past_local_sgd_and_fp16_halves_the_deltas(shared_
     (diloco, _), d = _run(shared_jobs, tmp_path / "diloco", "--sync", "diloco", "--sync-every",
                           "4", "--fp16-allreduce")  # fmt: skip
     assert _largest_difference(local, diloco) > 1e-3  # the default outer step acts
-    # The default rate is the rule's for H=4 on 2 ranks, and the run says so.
-    assert d["sync"]["outer_lr"] == 0.1 and d["sync"]["outer_momentum"] == 0.9
-    assert d["sync"]["outer_lr_from"] == "fitted to H=4 and 2 ranks"
+    # The default pair is the rule's for H=4 on 2 ranks and the run's exchanges, and the run
+    # says so (a short run: a shorter memory, the rate that keeps the steady step).
+    from hvdtrain.exchange.diloco import outer_momentum, outer_step
+
+    sync = d["sync"]
+    exchanges = int(sync["outer_momentum_from"].split()[2])
+    assert sync["outer_momentum"] == outer_momentum(exchanges)
+    assert sync["outer_lr"] == outer_step(4, 2, outer_momentum(exchanges))
+    assert sync["outer_lr_from"] == "fitted to H=4 and 2 ranks"
     trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
     assert d["sync"]["fp16"] and d["sync"]["bytes_per_exchange"] == 2 * trainable + 4 * 2 * 16
     assert d["status"] == "finished" and len({r["weights_digest"] for r in d["ranks"]}) == 1
@@ -681,3 +687,16 @@ def test_the_overlapped_exchange_is_the_eager_update_formula(flags, outer, share
         assert ranks[0]["steps"][2] != ranks[1]["steps"][2]
         assert ranks[0]["sync"]["overlap"] and ranks[0]["sync"]["exchanges"] == 4
         assert 0 <= ranks[0]["sync"]["exchange_hidden"] <= 1
+
+
+def test_dilocos_momentum_fits_the_runs_exchanges_and_its_rate_keeps_the_step():
+    """docs/exchanging-less.md, "DiLoCo on a short run": 0.9 from 30 exchanges on, a memory
+    of a third of the run's exchanges below it, and a rate keeping rate / (1 - momentum)."""
+    from hvdtrain.exchange.diloco import outer_momentum, outer_step
+
+    assert [outer_momentum(e) for e in (None, 30, 500)] == [0.9, 0.9, 0.9]
+    assert [outer_momentum(e) for e in (1, 3, 6, 12)] == [0.0, 0.0, 0.5, 0.75]
+    for exchanges in (1, 6, 12, 30):
+        for h in (4, 64):
+            m = outer_momentum(exchanges)
+            assert outer_step(h, 2, m) / (1 - m) == pytest.approx(outer_step(h, 2) / 0.1, 1e-2)
