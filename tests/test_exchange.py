@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, job_env, worker
 
+import hvdtrain
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import exchange_due, fitting_steps_per_execution
 from hvdtrain.recipe.flags import make_config
@@ -700,3 +701,48 @@ def test_dilocos_momentum_fits_the_runs_exchanges_and_its_rate_keeps_the_step():
         for h in (4, 64):
             m = outer_momentum(exchanges)
             assert outer_step(h, 2, m) / (1 - m) == pytest.approx(outer_step(h, 2) / 0.1, 1e-2)
+
+
+def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
+    """docs/exchanging-less.md, `--sync-every auto`: candidates are powers of two times the
+    steps per execution from 4 to the cap; blocking, the exchange is at most a tenth of a
+    round; overlapped, at most 3/4 of its steps; none fits: the cap, and it says so."""
+    from hvdtrain.exchange.auto import CAP, candidates, choose
+
+    assert candidates(16) == [16, 32, 64, 128, 256] and candidates(1)[:3] == [4, 8, 16]
+    assert candidates(3) == [6, 12, 24, 48, 96, 192] and candidates(16)[-1] == CAP
+    options = candidates(1)
+    assert choose(3.0, options, overlap=True) == (4, False)  # 3 <= 0.75 x 4
+    assert choose(40.0, options, overlap=True) == (64, False)
+    assert choose(3.0, options, overlap=False) == (32, False)  # 3 <= 0.1/0.9 x 32
+    assert choose(1e6, options, overlap=True) == (CAP, True)
+
+
+def test_sync_every_auto_is_a_value_of_its_own_and_refused_where_it_means_nothing():
+    assert make_config(sync="local", sync_every="auto").sync_every == "auto"
+    assert make_config(sync="local", sync_every="auto").exchange_every == 16  # from where
+    with pytest.raises(HvdtrainError, match="no value without --sync local or --sync diloco"):
+        make_config(sync_every="auto")
+    parser = hvdtrain.ArgumentParser()
+    assert parser.parse_args(["--sync", "diloco", "--sync-every", "auto"]).sync_every == "auto"
+    with pytest.raises(HvdtrainError, match="--sync-every"):
+        parser.parse_args(["--sync", "local", "--sync-every", "often"])
+
+
+def test_auto_measures_chooses_says_so_and_a_resume_keeps_its_h(shared_jobs, tmp_path):
+    """Epoch 1 synchronous, epoch 2 local at the smallest H (4) while timed; H chosen at its
+    end and said on rank 0, in the metrics JSON and in the checkpoint; the resumed epoch 3
+    goes on with it (fixed under --deterministic: not chosen again)."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--sync", "local", "--sync-every", "auto", "--sync-warmup-steps", "10",
+             "--deterministic", "--checkpoint-dir", ckpt]  # fmt: skip
+    _, first = _run(shared_jobs, tmp_path / "a", *flags, "--sync-overlap")
+    auto = first["sync"]["auto"]
+    assert auto["candidates"][0] == 4 and auto["chosen"] in auto["candidates"]
+    assert [step for step, _ in auto["choices"]] == [20] and auto["revisited"] is False
+    assert auto["measured"]["exchange_seconds"] > 0 and auto["measured"]["step_seconds"] > 0
+    assert first["sync"]["every"] == auto["chosen"]
+    _, resumed = _run(shared_jobs, tmp_path / "a", *flags, "--sync-overlap", "--epochs", "3")
+    assert resumed["resumed_from"] is not None
+    assert resumed["sync"]["auto"]["chosen"] == auto["chosen"]
+    assert resumed["sync"]["auto"]["choices"] == [] and resumed["sync"]["every"] == auto["chosen"]

@@ -93,7 +93,7 @@ def wire_bytes_per_sample(sync, model, ranks, samples, epochs):
 def _mnist(args, model, samples, extra):
     return [sys.executable, "-m", "hvdtrain.mnist", "--model", model, "--epochs",
             str(args.epochs), "--batch-size", str(_BATCH), "--lr-decay", "none",
-            "--limit-samples", str(samples), "--progress", "off",
+            "--limit-samples", str(samples),
             *(["--data-dir", args.data_dir] if args.data_dir else []), *extra]  # fmt: skip
 
 

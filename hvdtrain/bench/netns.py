@@ -40,15 +40,41 @@ def cannot_make_namespaces():
     return None
 
 
+def _free_tag(first):
+    """A tag (20-254) that no `hvdtbr<tag>` bridge and no `hvdt<tag>h<i>` namespace has,
+    looking from `first` on."""
+    used = set()
+    for folder in ("/sys/class/net", "/var/run/netns"):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            digits = name.removeprefix("hvdtbr") if name.startswith("hvdtbr") else ""
+            if name.startswith("hvdt") and not digits:
+                digits = name[4:].split("h")[0]
+            if digits.isdigit():
+                used.add(int(digits))
+    for k in range(235):
+        tag = 20 + (first - 20 + k) % 235
+        if tag not in used:
+            return tag
+    raise RuntimeError("no free subnet tag for namespace hosts (235 sets in use)")
+
+
 def _sh(*argv, check=True):
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=60)
 
 
 class NamespaceHosts:
-    def __init__(self, count, workdir):
-        # One subnet per test process: pytest-xdist's workers (gw0, gw1, ...) each get their own.
-        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-        tag = 20 + (os.getpid() % 50) * 4 + worker % 4
+    """`count` hosts in `workdir` (keys, sshd logs). With `pin`, host i's processes run on
+    core i (of this process's cores, in turn): each host has a core of its own, as separate
+    machines have, rather than every rank believing it has the whole machine."""
+
+    def __init__(self, count, workdir, pin=False):
+        # One subnet per set of hosts: a tag no bridge or namespace of this machine uses yet
+        # (another test process's hosts, or a benchmark's beside them).
+        tag = _free_tag(20 + (os.getpid() % 50) * 4)
         self.count = count
         self.workdir = str(workdir)
         self.bridge = f"hvdtbr{tag}"
@@ -56,6 +82,8 @@ class NamespaceHosts:
         self.hostnames = [f"hvd-host{i}" for i in range(count)]
         self.addresses = [SUBNET.format(tag, i + 1) for i in range(count)]
         self.bin = os.path.join(self.workdir, "bin")
+        cores = sorted(os.sched_getaffinity(0))
+        self.cores = [cores[i % len(cores)] for i in range(count)] if pin else None
         self._sshd = []
 
     # -- set-up -------------------------------------------------------------------------
@@ -155,6 +183,8 @@ class NamespaceHosts:
     def _in(self, i, argv):
         """argv run inside host i: its network namespace and a UTS namespace of its own name."""
         script = f'hostname {self.hostnames[i]} && exec "$@"'
+        if self.cores is not None:  # the host's own core: its sshd's children inherit it
+            script = f"taskset -pc {self.cores[i]} $$ >/dev/null && {script}"
         return [
             "ip",
             "netns",
