@@ -46,21 +46,25 @@ lint: setup-test
 # TEST_WORKERS pytest processes (pytest-xdist) run the test files side by side, each file's tests
 # in one of them (its shared jobs with it): the rank processes leave half of 2 cores idle alone.
 TEST_WORKERS ?= 2
+# Each run ends with its time and its slowest files (all of them in out/test-times.json), and
+# warns past its budget (docs/development.md, "Where the time goes").
 test: setup-test lint
-	python -m pytest -m "not slow and not gpu_image" -n $(TEST_WORKERS) --dist loadfile
+	HVDTRAIN_TEST_BUDGET_SECONDS=1200 python -m pytest -m "not slow and not gpu_image" \
+	  -n $(TEST_WORKERS) --dist loadfile
 
 # The slow scenarios run test by test in TEST_WORKERS processes (a module's image, hosts or
 # cluster kept in one: `xdist_group`; the longest first: tests/conftest.py), then the
 # benchmark's quick runs (marker `alone`), which measure the machine, with nothing beside them.
 # Both parts run; either failing fails.
 test-slow: setup-test
-	python -m pytest -m "slow and not alone" -n $(TEST_WORKERS) --dist loadgroup; a=$$?; \
+	HVDTRAIN_TEST_BUDGET_SECONDS=720 python -m pytest -m "slow and not alone" -n $(TEST_WORKERS) \
+	  --dist loadgroup; a=$$?; \
 	python -m pytest -m "slow and alone"; b=$$?; [ $$a -eq 0 ] && [ $$b -eq 0 ]
 
 # The tests that start no process (marker `processes`, set by tests/conftest.py from what each
 # test calls): the inner loop while changing code; `make test` before a commit.
 test-fast: setup-test lint
-	python -m pytest -m "not slow and not gpu_image and not processes"
+	HVDTRAIN_TEST_BUDGET_SECONDS=120 python -m pytest -m "not slow and not gpu_image and not processes"
 
 # The docs site (mkdocs.yml, docs/): built into site/ with --strict (make test builds it too,
 # in tests/test_docs.py), or served with live reload at http://127.0.0.1:8000.

@@ -2,6 +2,7 @@
 
 import contextlib
 import inspect
+import json
 import os
 import queue
 import re
@@ -120,10 +121,52 @@ def pytest_testnodedown(node, error):
         _LEFT_OUT[marker] = max(_LEFT_OUT.get(marker, 0), count)
 
 
+_STARTED = time.monotonic()  # the session's start (the controller's, under pytest-xdist)
+
+
+def _time_by_file(terminalreporter):
+    """{test file: seconds of its tests (set-up, call, tear-down)} of this run."""
+    seconds = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                name = r.nodeid.split("::")[0]
+                seconds[name] = seconds.get(name, 0.0) + r.duration
+    return seconds
+
+
+def _where_the_time_went(terminalreporter, config):
+    """The run's time, its three slowest files (all of them in out/test-times.json), and a
+    warning past the budget `make` gives it (HVDTRAIN_TEST_BUDGET_SECONDS)."""
+    wall = time.monotonic() - _STARTED
+    by_file = sorted(_time_by_file(terminalreporter).items(), key=lambda kv: -kv[1])
+    if not by_file:
+        return
+    shown = ", ".join(f"{name.removeprefix('tests/')} {s:.0f} s" for name, s in by_file[:3])
+    terminalreporter.write_line(
+        f"took {wall / 60:.1f} min ({sum(s for _, s in by_file):.0f} s of tests); the slowest "
+        f"files: {shown}; all of them: out/test-times.json"
+    )
+    os.makedirs(os.path.join(ROOT, "out"), exist_ok=True)
+    with open(os.path.join(ROOT, "out", "test-times.json"), "w") as f:
+        json.dump({"wall_seconds": round(wall, 1), "files": dict(by_file)}, f, indent=1)
+    budget = os.environ.get("HVDTRAIN_TEST_BUDGET_SECONDS", "")
+    if budget.isdigit() and wall > int(budget):
+        terminalreporter.write_line(
+            f"warning: this run took {wall / 60:.1f} min, past its budget of "
+            f'{int(budget) / 60:.0f} min (docs/development.md, "Where the time goes"): '
+            "CI's limit comes next",
+            yellow=True,
+            bold=True,
+        )
+
+
 @pytest.hookimpl(trylast=True)  # after the durations: the run's last words
 def pytest_terminal_summary(terminalreporter, config):
     """`make test` leaves the slow scenarios and the GPU image out, `make test-slow` the
-    machine's measurements for later: say so, and how to run them."""
+    machine's measurements for later: say so, and how to run them; then where the time went."""
+    if not hasattr(config, "workerinput"):
+        _where_the_time_went(terminalreporter, config)
     for marker, how in (
         ("slow", "`make test-slow` runs them, and CI runs both (.ci/run)"),
         ("gpu_image", "`make test-gpu-image` runs them (a cold build: about 21 min; not in CI)"),

@@ -2,7 +2,8 @@
 
 The key and the cache's checks are tested on a copy of the real wheel that the set-up built
 and cached (launch/install_horovod.sh; HVDTRAIN_WHEEL_CACHE, else the per-user cache): CI
-builds it with an empty cache first (.ci/run). The slow tests install that wheel into a
+builds it where its key is new, that is, where an input of the build changed (.ci/run). The
+slow tests install that wheel into a
 clean virtual environment with TensorFlow and no hvdtrain, from the cache (building nothing:
 HVDTRAIN_WHEEL_NO_BUILD=1), and run plain Horovod there: `--check-build`, two ranks of a
 Keras script, and a failed Gloo job.
