@@ -237,6 +237,8 @@ class Rounds:
             "bytes_sent": self.tally.bytes,
             "waited_seconds": round(self.tally.waited, 4),
             **self.averager.figures(),
+            # Whose the timings above are (the file's: rank 0's); every rank's are in `ranks`.
+            "figures_of_rank": hvd.rank(),
             **({"auto": self.auto.summary()} if self.auto is not None else {}),
         }
 
