@@ -289,7 +289,10 @@ class Rounds:
         if not self.at_point:
             return False
         self.weight = self.sharing.weight_at(step_in_epoch)
-        exchanged = self.now()
+        # The epoch's last step makes the whole exchange (as its end would): its time counts
+        # with the epoch's steps (the epoch line), and the end finds the ranks agreeing.
+        last = step_in_epoch >= (self.sharing.rank_steps() or steps_per_epoch)
+        exchanged = self.now(whole=last)
         if self.auto is not None:
             self.auto.exchange_seconds += self.averager.take_timings()
             if self.auto.due(epoch_end=False):
