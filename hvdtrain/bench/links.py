@@ -31,6 +31,7 @@ import tempfile
 from hvdtrain.bench.modes import epoch_rates, steady
 from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
 from hvdtrain.bench.project import GBIT, efficiency
+from hvdtrain.bench.runner import quiet_wait
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 
@@ -52,6 +53,7 @@ def plan(every, modes=("local", "diloco"), auto=True):
         if auto:
             flags = ["--sync", mode, "--sync-every", "auto", "--sync-overlap"]
             out.append((f"{mode} auto overlap", flags))
+            out.append((f"{mode} auto overlap fp16", flags + ["--fp16-allreduce"]))
     return out
 
 
@@ -80,17 +82,19 @@ def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):
     return max(round_, n // round_ * round_)
 
 
-def wire_bytes_per_sample(sync, model, ranks, samples, epochs):
+def wire_bytes_per_sample(sync, model, ranks, samples, epochs, fp16=False):
     """Bytes each rank puts on its link per sample it trains (a ring allreduce sends 2 (n -
     1) / n of what it averages): from the metrics JSON's `sync` section, or, for the
-    synchronous job, the gradient of every step. Pure."""
+    synchronous job, the gradient of every step (`fp16`: in float16). Pure."""
     ring = 2 * (ranks - 1) / ranks
     if sync.get("mode", "step") == "step":
-        return ring * PARAMS[model] * (2 if sync.get("fp16") else 4) / _BATCH
+        return ring * PARAMS[model] * (2 if fp16 else 4) / _BATCH
     return ring * sync["bytes_sent"] / (samples * epochs / ranks)
 
 
 def _mnist(args, model, samples, extra):
+    if "local" in extra:  # its steps, not its synchronous warmup (the synchronous job's speed)
+        extra = [*extra, "--sync-warmup-steps", "0"]
     return [sys.executable, "-m", "hvdtrain.mnist", "--model", model, "--epochs",
             str(args.epochs), "--batch-size", str(_BATCH), "--lr-decay", "none",
             "--limit-samples", str(samples),
@@ -136,6 +140,7 @@ _ENV = {"HVDTRAIN_OFFLINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 def _cell(hosts, args, model, mbit, log):
     """The jobs of one (hosts, link, model) cell: [{label, rate, of_ceiling, ...}]."""
     hosts.shape(None)
+    quiet_wait(120, log=log)
     ceiling = _ceiling(hosts, args, model)
     step_seconds = _BATCH / (ceiling / hosts.count)  # one rank's step, alone
     log(f"{hosts.count} hosts, {model}: ceiling {ceiling:,.0f} samples/s "
@@ -149,6 +154,7 @@ def _cell(hosts, args, model, mbit, log):
             samples = samples_for(guess, args.seconds, hosts.count, h)
             metrics = os.path.join(args.out, f"{hosts.count}h-{mbit}-{model}-{label}.json")
             metrics = metrics.replace(" ", "_")
+            machine = quiet_wait(120, log=log)  # nothing else running beside the job
             try:
                 rate, m = _job(hosts, args, model, samples, flags, metrics)
             except (HvdtrainError, subprocess.TimeoutExpired) as e:
@@ -161,9 +167,9 @@ def _cell(hosts, args, model, mbit, log):
                 "label": label, "rate": rate, "of_ceiling": rate / ceiling, "samples": samples,
                 "hidden": sync.get("exchange_hidden"), "auto": sync.get("auto"),
                 "bytes_per_sample": wire_bytes_per_sample(sync, model, hosts.count, samples,
-                                                          args.epochs),
+                                                          args.epochs, "fp16" in label),
                 "predicted": predicted(label, model, hosts.count, mbit, step_seconds, chosen),
-                "test_accuracy": m.get("test_accuracy"),
+                "test_accuracy": m.get("test_accuracy"), "machine": machine,
             }  # fmt: skip
             rows.append(row)
             log(
@@ -220,7 +226,7 @@ def _run(argv):
     p.add_argument("--every", default="4,16,64,256", help="the H values")
     p.add_argument("--modes", default="local,diloco")
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
-    p.add_argument("--epochs", type=int, default=3, help="per job; the first is not timed")
+    p.add_argument("--epochs", type=int, default=4, help="per job; the first is not timed")
     p.add_argument("--seconds", type=float, default=12.0, help="about this long an epoch")
     p.add_argument("--ceiling-samples", type=int, default=12_800, help="the ceiling's, in all")
     p.add_argument("--timeout", type=int, default=900, help="seconds per job")
@@ -251,7 +257,7 @@ def _run(argv):
 
     cells = []
     for n in hosts_:
-        with tempfile.TemporaryDirectory() as work, NamespaceHosts(n, work) as hosts:
+        with tempfile.TemporaryDirectory() as work, NamespaceHosts(n, work, pin=True) as hosts:
             for model in models:
                 for mbit in links:
                     log(f"{n} hosts, {model}, {mbit} Mbit/s")
