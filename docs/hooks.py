@@ -150,11 +150,16 @@ def _help(argv):
 
 def flags_markdown():
     parser = hvdtrain.ArgumentParser("python train.py")
-    os.environ.setdefault("COLUMNS", "100")
-    parts = [
-        "## `hvdtrain.ArgumentParser`: the flags of your script\n",
-        "```text\n" + parser.format_help() + "```\n",
-    ]
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # the width argparse wraps at, whatever the terminal's
+    try:
+        usage = parser.format_help()
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = columns
+    parts = ["## `hvdtrain.ArgumentParser`: the flags of your script\n", f"```text\n{usage}```\n"]
     for title, argv in COMMANDS:
         parts += [f"## {title}\n", "```text\n" + _help(argv) + "```\n"]
     return "\n".join(parts)
