@@ -107,13 +107,15 @@ def test_totals_table_and_lines_say_what_failed():
                     "hangs": 1, "left_behind": 2, "tracebacks": 1,
                     "checkpoints_lost": 0, "failed_alone": 0}  # fmt: skip
     lines = chaos.table(records).splitlines()
-    assert lines[0].split()[:3] == ["#", "kind", "rank"] and len(lines) == 5
+    assert lines[0].split()[:3] == ["#", "kind", "hit"] and len(lines) == 5
+    assert [row.split()[2] for row in lines[1:]] == ["1", "1", "-", "launcher"]  # what each hit
     assert lines[2].split()[-1] == "FAILED" and lines[3].endswith("not injected")
     line = chaos.progress_line(records[1], 4)
     assert line.startswith("fault 2/4 stop-rank (rank 1) at epoch 1 step 4 (training): ")
     assert "HANG (over 40 s); 2 process(es) left behind" in line
     assert chaos.progress_line(records[0], 4).endswith(f"ok: {records[0]['line']}")
     assert "not injected" in chaos.progress_line(records[2], 4)
+    assert chaos.progress_line(records[3], 4).startswith("fault 4/4 term-launcher (launcher) at ")
     assert chaos.digest_line("ab" * 32, "ab" * 32).startswith("final weights digest equal")
     differs = chaos.digest_line("ab" * 32, "cd" * 32)
     assert "differs from the uninterrupted run's" in differs and "\n" not in differs

@@ -141,7 +141,7 @@ def test_mpirun_signal_exit_status_and_lost_host():
     diverged = "[1,1]<stderr>:train.py [rank 1]: error: training diverged at step 7 ...\n"
     failure = find_failure((diverged + MPI_EXIT).splitlines(), HOSTS)
     assert (failure.rank, failure.host, failure.exit_code) == (1, "node2", 3)
-    assert "exit status 3 (training diverged)" in explain(failure, HOSTS)
+    assert "exit status 3 (training diverged at step 7 ...)" in explain(failure, HOSTS)
     # A script's own sys.exit(3), with no error line of hvdtrain's: not hvdtrain's meaning.
     failure = find_failure(MPI_EXIT.splitlines(), HOSTS)
     assert "exit status 3 (see its output above)" in explain(failure, HOSTS)
@@ -186,15 +186,18 @@ a non-zero exit code. Per user-direction, the job has been aborted.
 
 
 def test_mpiruns_end_of_job_banners_are_left_out_but_still_read():
-    """The 11 lines after the one line repeat what hvdtrain-run's last line says; another
-    dashed block of mpirun's (a signal) stays."""
+    """The 11 lines after the one line repeat what hvdtrain-run's last line says, and so do
+    the 3 of a rank killed by a signal; another dashed block of mpirun's stays."""
     said = "[1,1]<stderr>:train.py [rank 1]: error: training diverged at step 7\n"
     shown, f = filtered(said + MPI_PRIMARY + MPI_EXIT)
     assert shown == said
     failure = find_failure(f.seen, HOSTS)
     assert (failure.rank, failure.exit_code) == (1, 3)
-    shown, _ = filtered(said + MPI_PRIMARY + MPI_SIGNAL)
-    assert shown == said + MPI_SIGNAL
+    shown, f = filtered(said + MPI_PRIMARY + MPI_SIGNAL)
+    assert shown == said
+    assert (find_failure(f.seen, HOSTS).signal, find_failure(f.seen, HOSTS).rank) == (9, 2)
+    other = "-" * 74 + "\nAn ORTE daemon has unexpectedly failed after launch\n" + "-" * 74 + "\n"
+    assert filtered(other)[0] == other
 
 
 def _exited(rank, code):
@@ -210,8 +213,8 @@ def test_an_error_the_ranks_agreed_on_blames_no_rank_that_only_left_after_it():
     for text in (f"[1,0]<stderr>:{agreed}" + _exited(1, 2), f"[0]<stderr>:{agreed}" + gloo):
         failure = find_failure(text.splitlines(), HOSTS)
         assert explain(failure, HOSTS) == (
-            "every rank failed alike: exit status 2 (a user error, printed above); the job was "
-            "ended"
+            "every rank failed alike: exit status 2 (gen's batch 1 is float32[32, 4] where the "
+            "first batches were); the job was ended"
         ), text
     # An error of one rank's own still names it.
     own = "[1,1]<stderr>:train.py [rank 1]: error: rank 1's data ran out\n"

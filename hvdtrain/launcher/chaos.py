@@ -80,6 +80,7 @@ __all__ = [
     "totals",
     "table",
     "progress_line",
+    "target",
     "digest_line",
     "job_processes",
     "main",
@@ -140,11 +141,18 @@ def totals(records, digests_equal):
     }
 
 
+def target(record):
+    """What a fault hit: `rank 1`, `launcher`, or `-` (a checkpoint, the disk) (pure)."""
+    kind = record["kind"]
+    if "launcher" in kind:
+        return "launcher"
+    return f"rank {record['rank']}" if "rank" in kind or "stop" in kind else "-"
+
+
 def progress_line(record, total):
     """`fault 3/7 kill-rank (rank 1) at epoch 2 step 4 (training): ended in 6.1 s, exit 1:
     <its line>` (pure)."""
-    who = f" (rank {record['rank']})" if "rank" in record["kind"] or "stop" in record[
-        "kind"] else ""  # fmt: skip
+    who = f" ({target(record)})" if target(record) != "-" else ""
     head = f"fault {record['index']}/{total} {record['kind']}{who}"
     if not record["injected"]:
         return f"{head}: not injected ({record['line']})"
@@ -170,7 +178,7 @@ def progress_line(record, total):
 
 def table(records):
     """The faults as a fixed-width table (pure)."""
-    rows = [("#", "kind", "rank", "epoch", "step", "phase", "exit", "s to end", "left", "tb",
+    rows = [("#", "kind", "hit", "epoch", "step", "phase", "exit", "s to end", "left", "tb",
              "lost", "result")]  # fmt: skip
     for r in records:
         when = r.get("when") or {}
@@ -178,7 +186,7 @@ def table(records):
             (
                 str(r["index"]),
                 r["kind"],
-                str(r["rank"]),
+                target(r).removeprefix("rank "),
                 str(when.get("epoch", "-")),
                 str(when.get("step", "-")),
                 when.get("phase", "-"),

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from hvdtrain.errors import invalid_value
+from hvdtrain.errors import invalid_value, one_line
 from hvdtrain.launcher.noise import is_startup_noise
 from hvdtrain.runtime.tracebacks import same_text
 from hvdtrain.runtime.watchdog import stalls, without_marker
@@ -113,6 +113,9 @@ class Failure:
     waited: bool = False
     # Every rank failed alike (an error the ranks agreed on, or the same traceback on each).
     alike: bool = False
+    # What its error line (`prog: error: ...`) said, where one was seen: the words the end
+    # line gives for statuses 2 to 4 (a full disk is not a user's mistake).
+    reason: str | None = None
 
     @property
     def exit_code(self):
@@ -139,6 +142,7 @@ _BANNERS = (
     "Primary job  terminated normally, but",
     "Primary job terminated normally, but",
     "mpirun detected that one or more processes exited with non-zero status",
+    "mpirun noticed that process rank",  # a signal: `was killed by signal 9 (SIGKILL)`
 )
 
 
@@ -338,6 +342,7 @@ def _whose_words(found, lines, size=None):
             said.setdefault(int(rank), error.group(2))
         elif fail:
             failed.setdefault(int(fail.group(1)), fail.group(2))
+    found.reason = said.get(found.rank, said.get(0))
     agreed = list(said) == [0] and found.rank not in said and found.code in (2, 3, 4)
     same = len(failed) > 1 and len(set(failed.values())) == 1 and found.rank in failed
     if agreed or (same and len(failed) == (size or len(failed))):
@@ -404,15 +409,16 @@ def explain(failure, hosts=()):
             "process, a host that stopped answering); its line above says where it waited; "
             "the job was ended"
         )
+    meaning = EXIT_CODES.get(code, "see its output above")
+    if code in (2, 3, 4) and failure.said and failure.reason:
+        meaning = one_line(failure.reason, most=160)
     if failure.alike:
-        meaning = EXIT_CODES.get(code, "see its output above")
         return f"every rank failed alike: exit status {code} ({meaning}); the job was ended"
     if failure.consequence:
         return (
             f"{who} exited first (exit status {code}), stopped because another rank ended or "
             "failed: see the ranks' output above; the job was ended"
         )
-    meaning = EXIT_CODES.get(code, "see its output above")
     if code in (2, 3, 4) and not failure.said:  # a script's own sys.exit(3) means its own
         meaning = "see its output above"
     return f"{who} failed first: exit status {code} ({meaning}); the job was ended"
