@@ -632,6 +632,11 @@ def test_accuracy_study_plans_every_mode_and_h_and_tables_the_seeds():
         ("diloco H=16", ["--sync", "diloco", "--sync-every", "16"]),
         ("diloco H=16 balanced", ["--sync", "diloco", "--sync-every", "16", "--sync-balance"]),
     ]
+    assert plan([64], ["local"], overlaps=(True,), halves=(False, True))[1:] == [
+        ("local H=64 overlapped", ["--sync", "local", "--sync-every", "64", "--sync-overlap"]),
+        ("local H=64 overlapped fp16", ["--sync", "local", "--sync-every", "64",
+                                        "--sync-overlap", "--fp16-allreduce"]),
+    ]  # fmt: skip
     from hvdtrain.bench.accuracy import _outers
     from hvdtrain.errors import HvdtrainError
 
@@ -708,3 +713,56 @@ def test_modes_benchmark_rejects_bad_options_before_starting(argv, match, capsys
     err = capsys.readouterr().err
     assert done.value.code == 2 and f"Invalid value for `{match}`" in err
     assert "Traceback" not in err
+
+
+def test_links_benchmark_plans_sizes_and_projects_each_job():
+    """bench.links' pure parts: the jobs of a cell (the ceiling first), an epoch's samples
+    in whole rounds, the bytes per sample from the metrics JSON, and the projection with the
+    epoch's shape: the whole exchange at its end (weights and Adam's two moments), in-flight
+    rounds that wait only for what their steps did not cover."""
+    from hvdtrain.bench.links import PARAMS, plan, projected, samples_for, wire_bytes_per_sample
+
+    labels = [label for label, _ in plan([16], ["local"])]
+    assert labels == ["ceiling", "step", "step fp16", "local H=16", "local H=16 overlap",
+                      "local auto overlap", "local auto overlap fp16"]  # fmt: skip
+    assert dict(plan([16], ["local"]))["local auto overlap"][-3:] == ["--sync-every", "auto",
+                                                                      "--sync-overlap"]  # fmt: skip
+    assert samples_for(1e6, 10, 2, 16) == 60_000 // 2048 * 2048  # capped, whole rounds
+    assert samples_for(10, 1, 2, 256) == 2 * 64 * 256  # one round at least
+    assert wire_bytes_per_sample({"mode": "step"}, "mlp", 2, 0, 0) == PARAMS["mlp"] * 4 / 64
+    sync = {"mode": "local", "bytes_sent": 1000}
+    assert wire_bytes_per_sample(sync, "mlp", 2, 100, 2) == pytest.approx(10.0)
+
+    step, mb = 0.001, PARAMS["mlp"] * 4 / (100e6 / 8)  # a step; the weights over 100 Mbit/s
+    samples = 2 * 64 * 64 * 4  # 4 rounds of H=64 an epoch
+    assert projected("step", "mlp", 2, 100, step, samples) == pytest.approx(step / (step + mb))
+    blocking = projected("local H=64", "mlp", 2, 100, step, samples)
+    assert blocking == pytest.approx(256 * step / (256 * step + 3 * mb + 3 * mb))
+    overlapped = projected("local H=64 overlap", "mlp", 2, 100, step, samples)
+    assert mb > 64 * step  # 86 ms against a round's 64: 22 ms a round not hidden
+    assert overlapped == pytest.approx(256 * step / (256 * step + 3 * (mb - 0.064) + 3 * mb))
+    assert projected("local H=64 overlap fp16", "mlp", 2, 100, step, samples) > overlapped
+    one_round = projected("local H=256 overlap", "mlp", 2, 100, step, samples)
+    assert one_round == projected("local H=256", "mlp", 2, 100, step, samples)  # nothing hidden
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # its ceiling is the hosts' one-core runs side by side
+def test_links_quick_run_measures_the_jobs_over_a_shaped_link(tmp_path):
+    from hvdtrain.bench.netns import cannot_make_namespaces
+
+    why = cannot_make_namespaces()
+    if why:
+        pytest.skip(f"namespace hosts: {why}")
+    _run_quick("hvdtrain.bench.links", tmp_path)
+    [cell] = json.loads((tmp_path / "links.json").read_text())["cells"]
+    assert (cell["hosts"], cell["mbit"], cell["model"]) == (2, 100, "mlp") and cell["ceiling"] > 0
+    jobs = {j["label"]: j for j in cell["jobs"]}
+    assert not [j for j in jobs.values() if "error" in j], jobs
+    assert jobs["local auto overlap"]["auto"]["chosen"] in (16, 32, 64, 128, 256)
+    # 100 Mbit/s: the gradient every step is the slowest; fp16 halves its bytes
+    assert jobs["step"]["rate"] < jobs["local H=16"]["rate"]
+    assert jobs["step fp16"]["bytes_per_sample"] == pytest.approx(
+        jobs["step"]["bytes_per_sample"] / 2
+    )
+    assert "| local H=16 overlap |" in (tmp_path / "links.md").read_text()

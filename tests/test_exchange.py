@@ -727,6 +727,12 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
 def test_sync_every_auto_is_a_value_of_its_own_and_refused_where_it_means_nothing():
     assert make_config(sync="local", sync_every="auto").sync_every == "auto"
     assert make_config(sync="local", sync_every="auto").exchange_every == 16  # from where
+    # The overlap's default: on with auto (a run for a slow link), off at a fixed H.
+    assert make_config(sync="diloco", sync_every="auto").overlapped is True
+    assert make_config(sync="local", sync_every="auto", sync_overlap=False).overlapped is False
+    assert make_config(sync="local", sync_every=16).overlapped is False
+    assert make_config(sync="local", sync_every=16, sync_overlap=True).overlapped is True
+    assert make_config().overlapped is False  # --sync step
     with pytest.raises(HvdtrainError, match="no value without --sync local or --sync diloco"):
         make_config(sync_every="auto")
     parser = hvdtrain.ArgumentParser()
@@ -742,13 +748,14 @@ def test_auto_measures_chooses_says_so_and_a_resume_keeps_its_h(shared_jobs, tmp
     ckpt = str(tmp_path / "ckpt")
     flags = ["--sync", "local", "--sync-every", "auto", "--sync-warmup-steps", "10",
              "--deterministic", "--checkpoint-dir", ckpt]  # fmt: skip
-    _, first = _run(shared_jobs, tmp_path / "a", *flags, "--sync-overlap")
+    _, first = _run(shared_jobs, tmp_path / "a", *flags)  # overlapped: auto's default
+    assert first["sync"]["overlap"] is True
     auto = first["sync"]["auto"]
     assert auto["candidates"][0] == 4 and auto["chosen"] in auto["candidates"]
     assert [step for step, _ in auto["choices"]] == [20] and auto["revisited"] is False
     assert auto["measured"]["exchange_seconds"] > 0 and auto["measured"]["step_seconds"] > 0
     assert first["sync"]["every"] == auto["chosen"]
-    _, resumed = _run(shared_jobs, tmp_path / "a", *flags, "--sync-overlap", "--epochs", "3")
+    _, resumed = _run(shared_jobs, tmp_path / "a", *flags, "--epochs", "3")
     assert resumed["resumed_from"] is not None
     assert resumed["sync"]["auto"]["chosen"] == auto["chosen"]
     assert resumed["sync"]["auto"]["choices"] == [] and resumed["sync"]["every"] == auto["chosen"]

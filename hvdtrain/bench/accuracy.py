@@ -7,6 +7,7 @@
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --modes diloco --outer 1:0.5,1:0
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 16 --overlap both
     python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 16 --balance both
+    python -m hvdtrain.bench.accuracy --data-dir ../shared/mnist --every 64 --overlap on --fp16 both
 
 `--data-dir` holds the four canonical IDX files (60,000 + 10,000 digits). Each run is its own
 job (`hvdtrain-run --backend gloo -np N`); `accuracy.json` (every run's figures) and
@@ -30,11 +31,19 @@ __all__ = ["main", "plan", "table"]
 PROG = "python -m hvdtrain.bench.accuracy"
 
 
-def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,), balances=(False,)):
+def plan(
+    every,
+    modes=("local", "diloco"),
+    outers=(),
+    overlaps=(False,),
+    balances=(False,),
+    halves=(False,),
+):
     """The modes to run: [(label, flags)], the synchronous one first; DiLoCo once per
     (outer learning rate, outer momentum) of `outers`, or at its defaults; each with the
     blocking exchange, the overlapped one (`--sync-overlap`) or both, by `overlaps`, and with
-    equal shares, `--sync-balance` or both, by `balances`. Pure."""
+    equal shares, `--sync-balance` or both, by `balances`, and the change sent in 32 or 16
+    bits (`--fp16-allreduce`) or both, by `halves`. Pure."""
     out = [("step", [])]
     for mode in modes:
         for h in every:
@@ -47,12 +56,15 @@ def plan(every, modes=("local", "diloco"), outers=(), overlaps=(False,), balance
             for label, more in steps:
                 for overlap in overlaps:
                     for balance in balances:
-                        name, flags_ = label, list(more)
-                        if overlap:
-                            name, flags_ = name + " overlapped", flags_ + ["--sync-overlap"]
-                        if balance:
-                            name, flags_ = name + " balanced", flags_ + ["--sync-balance"]
-                        out.append((name, flags_))
+                        for half in halves:
+                            name, flags_ = label, list(more)
+                            if overlap:
+                                name, flags_ = name + " overlapped", flags_ + ["--sync-overlap"]
+                            if balance:
+                                name, flags_ = name + " balanced", flags_ + ["--sync-balance"]
+                            if half:
+                                name, flags_ = name + " fp16", flags_ + ["--fp16-allreduce"]
+                            out.append((name, flags_))
     return out
 
 
@@ -125,6 +137,12 @@ def _run(argv):
         default="off",
         help="equal shares (off), --sync-balance (on), or each in turn",
     )
+    p.add_argument(
+        "--fp16",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the change sent in 32 bits (off), in 16 (--fp16-allreduce: on), or each in turn",
+    )
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"local", "diloco"}:
@@ -143,9 +161,10 @@ def _run(argv):
     os.makedirs(args.out, exist_ok=True)
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
     runs, results = [], {}
-    overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
-    balances = {"off": (False,), "on": (True,), "both": (False, True)}[args.balance]
-    for label, flags in plan(every, modes, outers, overlaps, balances):
+    turns = {"off": (False,), "on": (True,), "both": (False, True)}
+    for label, flags in plan(
+        every, modes, outers, turns[args.overlap], turns[args.balance], turns[args.fp16]
+    ):
         for seed in range(args.seeds):
             metrics = os.path.join(args.out, f"{label.replace(' ', '_')}-seed{seed}.json")
             argv = [run, "--backend", "gloo", "-np", str(args.np), "--", sys.executable, "-m",

@@ -14,7 +14,8 @@ after the first (rank 0's epoch lines: the steps with their exchanges, not the e
 each job's samples are sized from the projection so that its epochs take about `--seconds`.
 Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
 bytes each rank puts on its link per sample it trains, and the projection's figure for the
-same link (`hvdtrain.bench.project.efficiency`, from the ceiling's step and the bytes).
+same link (`projected`: the ring model of `hvdtrain.bench.project` with the epoch's rounds
+and its whole exchange at the end, from the ceiling's step and the bytes).
 `links.json` (every job's figures) and `links.md` (the tables) go to `--out`. The machine's
 cores are shared by every host: three ranks on two cores compute slower than two, in the
 ceiling as in the jobs.
@@ -30,12 +31,20 @@ import tempfile
 
 from hvdtrain.bench.modes import epoch_rates, steady
 from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
-from hvdtrain.bench.project import GBIT, efficiency
+from hvdtrain.bench.project import GBIT, efficiency, ring_allreduce_seconds
 from hvdtrain.bench.runner import quiet_wait
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 
-__all__ = ["main", "plan", "samples_for", "wire_bytes_per_sample", "markdown", "PARAMS"]
+__all__ = [
+    "main",
+    "plan",
+    "samples_for",
+    "wire_bytes_per_sample",
+    "markdown",
+    "projected",
+    "PARAMS",
+]
 
 PROG = "python -m hvdtrain.bench.links"
 CEILING = "ceiling"
@@ -65,12 +74,36 @@ def _h(label):
 
 
 def predicted(label, model, ranks, mbit, step_seconds, every=None):
-    """The projection's share of the ceiling for a job: one exchange of the model's float32
-    parameters (fp16: half) every H steps on a ring of `ranks` over links of `mbit`. Pure."""
+    """The simple projection's share of the ceiling, to size a job: one exchange of the
+    model's float32 parameters (fp16: half) every H steps on a ring of `ranks` over links of
+    `mbit`. Pure."""
     h, overlap = _h(label)
     h = every or h or 16
     nbytes = PARAMS[model] * (2 if "fp16" in label else 4)
     return efficiency(step_seconds, nbytes, ranks, mbit * GBIT / 1000, h, overlap)
+
+
+WHOLE = 3  # an epoch's last exchange: the weights and Adam's two moments (`exchange.rounds`)
+
+
+def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
+    """The projection of a job's share of the ceiling over its epochs: the ring model of
+    `hvdtrain.bench.project` with the epoch's shape, `samples` an epoch in all. The
+    synchronous job sends the gradient every step; local SGD and DiLoCo send the weights at
+    each of the epoch's rounds but its last, blocking or in flight (a round then waits for
+    what of the exchange its H steps did not cover), and at the epoch's end the whole
+    exchange, blocking: the weights with Adam's two moments. Pure."""
+    h, overlap = _h(label)
+    h = every or h or 16
+    per = PARAMS[model] * (2 if "fp16" in label else 4)
+    x = ring_allreduce_seconds(per, ranks, mbit * GBIT / 1000)
+    if h == 1:
+        return step_seconds / (step_seconds + x)
+    steps = samples // (ranks * _BATCH)
+    rounds = max(1, steps // h)
+    wait = max(0.0, x - h * step_seconds) if overlap else x
+    work = steps * step_seconds
+    return work / (work + (rounds - 1) * wait + WHOLE * x)
 
 
 def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):
@@ -168,7 +201,8 @@ def _cell(hosts, args, model, mbit, log):
                 "hidden": sync.get("exchange_hidden"), "auto": sync.get("auto"),
                 "bytes_per_sample": wire_bytes_per_sample(sync, model, hosts.count, samples,
                                                           args.epochs, "fp16" in label),
-                "predicted": predicted(label, model, hosts.count, mbit, step_seconds, chosen),
+                "predicted": projected(label, model, hosts.count, mbit, step_seconds, samples,
+                                       chosen),
                 "test_accuracy": m.get("test_accuracy"), "machine": machine,
             }  # fmt: skip
             rows.append(row)

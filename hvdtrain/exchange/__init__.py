@@ -55,5 +55,5 @@ AVERAGERS = {False: Blocking, True: InFlight}  # --sync-overlap
 
 def for_config(cfg):
     """The `Exchange` of `cfg` (a `TrainConfig`): its mode's, holding the averager of
-    `cfg.sync_overlap`. The one place a mode's name picks its class."""
-    return MODES[cfg.sync].exchange(cfg, AVERAGERS[bool(cfg.sync_overlap)])
+    `cfg.overlapped`. The one place a mode's name picks its class."""
+    return MODES[cfg.sync].exchange(cfg, AVERAGERS[cfg.overlapped])

@@ -95,7 +95,9 @@ class TrainConfig:
             number of ranks, `hvdtrain.exchange.outer_step`).
         outer_momentum: DiLoCo's outer Nesterov momentum (default 0.9).
         sync_overlap: under "local" or "diloco", run each exchange while the next local
-            steps do, its mean applied at the next exchange (default: off).
+            steps do, its mean applied at the next exchange (default: on with
+            `sync_every="auto"`, off with a fixed H: docs/exchanging-less.md, "Measured where
+            the wire is the limit").
         sync_balance: under "local" or "diloco", share each epoch's batches out in
             proportion to the ranks' measured speeds, so that no rank waits at an exchange
             (`hvdtrain.data.shares`; default: off, equal shares).
@@ -165,6 +167,14 @@ class TrainConfig:
         """H under `--sync local/diloco`: `sync_every`, else its default (16); under `auto`
         the H it starts from."""
         return self.sync_every if self.sync_every not in (None, AUTO) else SYNC_EVERY
+
+    @property
+    def overlapped(self):
+        """Whether the exchange runs in flight: `sync_overlap`, else on where H is chosen by
+        measurement (`auto`: a run for a link slower than its steps) and off at a fixed H."""
+        if self.sync_overlap is not None:
+            return self.sync_overlap
+        return self.sync_every == AUTO
 
     def float16_refused(self):
         """The refusal of float16 (loss scaling) under `--sync local/diloco`: raised here for
@@ -467,7 +477,8 @@ def _add_training_flags(p, d):
         "--sync-overlap",
         action=argparse.BooleanOptionalAction,
         default=d.sync_overlap,
-        help="run each exchange while the next local steps do (local, diloco; default: off)",
+        help="run each exchange while the next local steps do (local, diloco; default: on "
+        "with --sync-every auto, else off)",
     )
     x.add_argument(
         "--sync-balance",
