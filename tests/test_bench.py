@@ -724,7 +724,8 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
 
     labels = [label for label, _ in plan([16], ["local"])]
     assert labels == ["ceiling", "step", "step fp16", "local H=16", "local H=16 overlap",
-                      "local auto overlap", "local auto overlap fp16"]  # fmt: skip
+                      "local auto", "local auto overlap", "local auto overlap fp16"]  # fmt: skip
+    assert dict(plan([16], ["local"]))["local auto"][-1] == "--no-sync-overlap"
     assert dict(plan([16], ["local"]))["local auto overlap"][-3:] == ["--sync-every", "auto",
                                                                       "--sync-overlap"]  # fmt: skip
     assert samples_for(1e6, 10, 2, 16) == 60_000 // 2048 * 2048  # capped, whole rounds

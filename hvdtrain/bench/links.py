@@ -9,7 +9,8 @@ run: the same ranks unconnected, each host training its share alone.
 
 For every number of hosts, link rate (Mbit/s) and model: the ceiling, the synchronous job,
 the same with `--fp16-allreduce`, local SGD and DiLoCo blocking and overlapped at each H, and
-both overlapped with `--sync-every auto`. A job's figure is the median samples/s of its epochs
+each with `--sync-every auto`, blocking, overlapped, overlapped in 16 bits (`--jobs auto`:
+those alone, beside the ceiling). A job's figure is the median samples/s of its epochs
 after the first (rank 0's epoch lines: the steps with their exchanges, not the evaluation);
 each job's samples are sized from the projection so that its epochs take about `--seconds`.
 Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
@@ -60,9 +61,12 @@ def plan(every, modes=("local", "diloco"), auto=True):
             flags = ["--sync", mode, "--sync-every", str(h)]
             out += [(f"{mode} H={h}", flags), (f"{mode} H={h} overlap", flags + ["--sync-overlap"])]
         if auto:
-            flags = ["--sync", mode, "--sync-every", "auto", "--sync-overlap"]
-            out.append((f"{mode} auto overlap", flags))
-            out.append((f"{mode} auto overlap fp16", flags + ["--fp16-allreduce"]))
+            flags = ["--sync", mode, "--sync-every", "auto"]
+            out.append((f"{mode} auto", flags + ["--no-sync-overlap"]))
+            out.append((f"{mode} auto overlap", flags + ["--sync-overlap"]))
+            out.append(
+                (f"{mode} auto overlap fp16", flags + ["--sync-overlap", "--fp16-allreduce"])
+            )
     return out
 
 
@@ -182,6 +186,8 @@ def _cell(hosts, args, model, mbit, log):
     rows = []
     try:
         for label, flags in plan(args.every, args.modes)[1:]:
+            if args.jobs and args.jobs not in label:
+                continue
             h, _ = _h(label)
             guess = ceiling * predicted(label, model, hosts.count, mbit, step_seconds)
             samples = samples_for(guess, args.seconds, hosts.count, h)
@@ -264,6 +270,7 @@ def _run(argv):
     p.add_argument("--seconds", type=float, default=12.0, help="about this long an epoch")
     p.add_argument("--ceiling-samples", type=int, default=12_800, help="the ceiling's, in all")
     p.add_argument("--timeout", type=int, default=900, help="seconds per job")
+    p.add_argument("--jobs", help="only the jobs whose label holds this text, e.g. auto")
     p.add_argument("--quick", action="store_true", help="the smoke run: 2 hosts, 100 Mbit/s")
     args = p.parse_args(argv)
     if args.quick:

@@ -322,11 +322,12 @@ class Rounds:
             return hvd.allreduce(tf.constant(x, tf.float64), op=hvd.Max, name="hvdtrain.auto")
 
         before, h = self.every, self.auto.choose(agree_max, r.step)
-        self.every = h
-        self.state.every.assign(h)
-        self.mode.begin(hvd.size(), h, self._exchanges())  # DiLoCo's rule follows H
-        self.averager.retrace()
-        self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
+        self.state.every.assign(h)  # checkpointed: a resume goes on with it
+        if h != before:  # a trace costs seconds (the convnet's): only for a new H
+            self.every = h
+            self.mode.begin(hvd.size(), h, self._exchanges())  # DiLoCo's rule follows H
+            self.averager.retrace()
+            self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
         m = self.auto.measured
         logs.get_logger(hvd.rank()).info(
             "--sync-every auto at step %d: an exchange %.1f ms, a step %.2f ms (%.1f steps): "
