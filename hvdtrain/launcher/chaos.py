@@ -64,6 +64,7 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     moment,
     promise,
     schedule,
+    target,
 )
 from hvdtrain.launcher.hosts import MAX_PROCESSES
 from hvdtrain.runtime import processes
@@ -80,7 +81,6 @@ __all__ = [
     "totals",
     "table",
     "progress_line",
-    "target",
     "digest_line",
     "job_processes",
     "main",
@@ -139,14 +139,6 @@ def totals(records, digests_equal):
         "checkpoints_lost": sum(1 for r in injected if r["checkpoint_lost"]),
         "failed_alone": sum(1 for r in records if r.get("failed_alone")),
     }
-
-
-def target(record):
-    """What a fault hit: `rank 1`, `launcher`, or `-` (a checkpoint, the disk) (pure)."""
-    kind = record["kind"]
-    if "launcher" in kind:
-        return "launcher"
-    return f"rank {record['rank']}" if "rank" in kind or "stop" in kind else "-"
 
 
 def progress_line(record, total):

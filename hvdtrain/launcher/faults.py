@@ -23,6 +23,7 @@ __all__ = [
     "MARKER",
     "Fault",
     "schedule",
+    "target",
     "moment",
     "promise",
     "job_processes",
@@ -224,3 +225,11 @@ def fill_disk(folder):
         except OSError:
             pass
     return path
+
+
+def target(record):
+    """What a fault hit: `rank 1`, `launcher`, or `-` (a checkpoint, the disk) (pure)."""
+    kind = record["kind"]
+    if "launcher" in kind:
+        return "launcher"
+    return f"rank {record['rank']}" if "rank" in kind or "stop" in kind else "-"
