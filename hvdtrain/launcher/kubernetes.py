@@ -11,7 +11,8 @@ One launcher pod runs `hvdtrain-run --backend mpirun --hostfile /etc/mpi/hostfil
 keys (`sshAuthMountPath`), and mpirun starts the ranks on the workers over ssh.
 The pods fit the repository's Dockerfile: user `hvd` (uid 1000, keys in /home/hvd/.ssh),
 workers running `/usr/sbin/sshd -De -f /home/hvd/.sshd_config` (port 2222). For an image
-that runs as root, use /root/.ssh, drop `runAsUser` and run plain `/usr/sbin/sshd -De`.
+that runs as root, keep the keys in root's home (`~/.ssh`), drop `runAsUser` and run
+plain `/usr/sbin/sshd -De`.
 `launch/mpijob.yaml` is this render with 2 workers of 1 GPU.
 """
 
