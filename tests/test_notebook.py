@@ -18,6 +18,8 @@ from conftest import ROOT, job_env
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
 
+from hvdtrain.runtime.processes import alive
+
 NOTEBOOK = os.path.join(ROOT, "examples", "notebook.ipynb")
 
 FIGURES = """\
@@ -60,14 +62,6 @@ def _error(cell):
     return next((o for o in cell.get("outputs", []) if o["output_type"] == "error"), None)
 
 
-def _alive(pid):
-    """Whether `pid` runs (a zombie waiting for its reaper has ended)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 async def _run(client, nb, interrupted, folder):
     """Every cell in turn; cell `interrupted` is interrupted once its 2 ranks run. Returns
     the ranks' pids and the kernel's processes left after the interrupt."""
@@ -87,7 +81,7 @@ async def _run(client, nb, interrupted, folder):
             await client.km.interrupt_kernel()
             await running
             while time.monotonic() - started < 15 and (
-                kernel.children(recursive=True) or any(map(_alive, pids))
+                kernel.children(recursive=True) or any(map(alive, pids))
             ):  # the ranks may outlive their launcher by a moment, reparented: waited for too
                 await asyncio.sleep(0.2)
             left = kernel.children(recursive=True)
@@ -135,5 +129,5 @@ def test_the_notebook_trains_on_two_ranks_from_its_cells_and_fails_and_stops_cle
     assert _error(nb.cells[sleeps])["ename"] == "KeyboardInterrupt"
     assert len(pids) == 2, "the ranks did not start"
     assert left == [] and seconds < 15, (left, seconds)
-    assert not any(map(_alive, pids))
+    assert not any(map(alive, pids))
     assert _text(nb.cells[after]) == "the kernel goes on\n"
