@@ -724,6 +724,28 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     assert choose(1e6, options, overlap=True) == (CAP, True)
 
 
+def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
+    """A step beside an exchange in flight shares the CPU with it (the convnet's: 62 ms alone,
+    115 ms beside one): auto's ratio takes the steps timed alone, the others only where no
+    step ran alone; and the ranks agree on the largest ratio."""
+    from hvdtrain.exchange.auto import AutoEvery
+
+    auto = AutoEvery(overlap=True, revisit=True)
+    auto.start(1)
+    auto.exchange_seconds = [1.0, 1.0, 1.0]
+    for seconds, beside in [(0.115, True)] * 6 + [(0.0625, False)] * 2:
+        auto.time_steps(seconds, beside)
+    assert auto.choose(lambda x: x, step=10) == 32  # 16 steps alone: 16 <= 0.75 x 32
+    assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
+    auto.exchange_seconds = [1.0]
+    auto.time_steps(0.115, beside=True)  # none alone: the steps beside it
+    assert auto.choose(lambda x: x, step=20) == 16 and not auto.measured["steps_alone"]
+    auto.exchange_seconds = [1.0]
+    auto.time_steps(0.115, beside=True)
+    assert auto.choose(lambda x: max(x, 1e3), step=30) == 256  # another rank's ratio
+    assert auto.choices == [[10, 32], [20, 16], [30, 256]] and auto.capped
+
+
 def test_sync_every_auto_is_a_value_of_its_own_and_refused_where_it_means_nothing():
     assert make_config(sync="local", sync_every="auto").sync_every == "auto"
     assert make_config(sync="local", sync_every="auto").exchange_every == 16  # from where

@@ -140,8 +140,10 @@ def test_killing_the_launcher_ends_every_rank_without_another_checkpoint(launche
                                     capture_output=True, text=True, timeout=200)  # fmt: skip
             text = second.stdout + second.stderr
             assert second.returncode == 2, text[-4000:]
+            # Once from the rank (one line, however many ranks), once quoted by the launcher's end.
             refused = [line for line in text.splitlines() if "is in use by another job" in line]
-            assert len(refused) == 1, text[-4000:]
+            assert len(refused) == 2, text[-4000:]
+            assert refused[-1].startswith("hvdtrain-run: "), text[-4000:]
             assert "Traceback" not in text, text[-4000:]
             assert proc.poll() is None  # the first job trains on
         os.kill(proc.pid, signal.SIGKILL)

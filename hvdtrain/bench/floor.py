@@ -346,12 +346,12 @@ def _worker(exchange, model_name, batch, calls):
         for _ in range(TOGETHER):
             hvd.allreduce(tf.constant(0.0), name="floor.barrier").numpy()
             start, used = time.perf_counter(), time.process_time()
-            exchanges.step += 1
+            exchanges.replica.step += 1
             exchanges.now()
             together.append(time.perf_counter() - start)
             cpu.append(time.process_time() - used)
         mine = (mine, 1e3 * statistics.median(together), 1e3 * statistics.mean(cpu),
-                1e3 * _overlapped_cpu(model, opt, local, exchanges.step))  # fmt: skip
+                1e3 * _overlapped_cpu(model, opt, local, exchanges.replica.step))  # fmt: skip
         both = hvd.allgather_object(mine)
         inside = {"exchange": statistics.mean(m[0] for m in both),
                   "together": statistics.mean(m[1] for m in both),

@@ -5,8 +5,12 @@
 The run starts at the smallest candidate H (a multiple of its steps per execution, 16 by
 default) and times what it does: each local step (Keras's executions, the first of an epoch
 left out) and each exchange (blocking: the steps' wait for it; overlapped: the exchange's own
-time in its thread). After its first `PROBE` exchanges, and again at each epoch's end unless
-`--deterministic`, the ranks agree on the largest ratio of an exchange to a step and take the
+time in its thread). Under the overlap a step is timed apart while an exchange is in flight
+beside it, sharing the CPU with it (the convnet's step on this machine: 62 ms alone, 115 ms
+beside one): the rule takes the steps timed alone (those beside one where none ran alone),
+since a step slowed by the exchange makes the exchange look shorter than the round it costs.
+After its first `PROBE` exchanges, and again at each epoch's end unless `--deterministic`,
+the ranks agree on the largest ratio of an exchange to a step and take the
 smallest H for which
 
 - blocking: the exchange is at most `MARGINS[False]` (10 %) of a round (H steps and it);
@@ -63,6 +67,7 @@ class AutoEvery:
         self.overlap, self.revisit = bool(overlap), bool(revisit)
         self.options = []  # the candidates, by `start`
         self.step_seconds = []  # a local step's seconds, per execution timed since the choice
+        self.beside_seconds = []  # the same, of executions beside an exchange in flight
         self.exchange_seconds = []  # each exchange's seconds since the last choice
         self.chosen = None  # the H in force once measured, else None
         self.measured = None  # what the last choice was made from
@@ -82,23 +87,29 @@ class AutoEvery:
             return epoch_end or len(self.exchange_seconds) >= PROBE
         return epoch_end and self.revisit
 
+    def time_steps(self, seconds, beside):
+        """An execution's `seconds` per step; `beside`: an exchange was in flight during it."""
+        (self.beside_seconds if beside else self.step_seconds).append(seconds)
+
     def choose(self, agree_max, step):
         """The H the ranks agree on (`agree_max(x)`: a collective, the largest x of all
         ranks), from what was timed since the last choice; then timed anew."""
         exchange = statistics.median(self.exchange_seconds)
-        own = statistics.median(self.step_seconds) if self.step_seconds else 0.0
+        steps = self.step_seconds or self.beside_seconds
+        own = statistics.median(steps) if steps else 0.0
         ratio = exchange / own if own > 0 else float(self.options[-1])
         ratio = float(agree_max(ratio))
         h, self.capped = choose(ratio, self.options, self.overlap)
         self.measured = {
             "exchange_seconds": round(exchange, 5),
             "step_seconds": round(own, 6),
+            "steps_alone": bool(self.step_seconds),  # False: timed beside an exchange
             "ratio": round(ratio, 3),
             "exchanges": len(self.exchange_seconds),
         }
         self.chosen = h
         self.choices.append([int(step), h])
-        self.step_seconds, self.exchange_seconds = [], []
+        self.step_seconds, self.beside_seconds, self.exchange_seconds = [], [], []
         return h
 
     def summary(self):

@@ -87,6 +87,10 @@ class InFlight:
     def in_agreement(self):
         return self.pending is None and self.replica.in_agreement()
 
+    def busy(self):
+        """Whether an exchange is running in its thread now."""
+        return self.pending is not None and self.pending.running()
+
     def point(self, weight):
         """The last round's mean landed, this round's sent in the background. False: the
         ranks never agree at an exchange point."""
@@ -233,6 +237,9 @@ class Pending:
         except BaseException as e:  # raised where the result is asked for
             self._error = e
         self._seconds = time.perf_counter() - began
+
+    def running(self):
+        return self._thread.is_alive()
 
     def result(self):
         self._thread.join()

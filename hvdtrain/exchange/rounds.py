@@ -158,6 +158,7 @@ class Rounds:
         self.state = None  # `RoundsState`, by `attach`
         self.end_step = None  # the run's last global step, by `begin` (None: unknown)
         self._clocked = None  # the step of the epoch the last timed execution ended at
+        self._clocked_exchanges = 0  # the exchanges sent by then
 
     # -- the Exchange interface ------------------------------------------------------------
     def configure(self, policy, steps_per_execution, sharing):
@@ -269,8 +270,12 @@ class Rounds:
         self.sharing.clock(step_in_epoch, seconds)
         if self.auto is not None and not self.syncing:  # local steps, the epoch's first left out
             if self._clocked is not None and step_in_epoch > self._clocked:
-                self.auto.step_seconds.append(seconds / (step_in_epoch - self._clocked))
-            self._clocked = step_in_epoch
+                # Beside an exchange: one sent since the last execution, or one still running.
+                beside = self.averager.overlap and (
+                    self.tally.exchanges != self._clocked_exchanges or self.averager.busy()
+                )
+                self.auto.time_steps(seconds / (step_in_epoch - self._clocked), beside)
+            self._clocked, self._clocked_exchanges = step_in_epoch, self.tally.exchanges
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
         """At an execution's end (every rank): ends the warmup, or exchanges where one is
