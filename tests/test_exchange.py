@@ -712,7 +712,8 @@ def test_dilocos_momentum_fits_the_runs_exchanges_and_its_rate_keeps_the_step():
 def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     """docs/exchanging-less.md, `--sync-every auto`: candidates are powers of two times the
     steps per execution from 4 to the cap; blocking, the exchange is at most a tenth of a
-    round; overlapped, at most 3/4 of its steps; none fits: the cap, and it says so."""
+    round; overlapped, at most 3/4 of its steps in flight and a tenth waited; none fits: the
+    cap, and it says so."""
     from hvdtrain.exchange.auto import CAP, candidates, choose
 
     assert candidates(16) == [16, 32, 64, 128, 256] and candidates(1)[:3] == [4, 8, 16]
@@ -722,6 +723,9 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     assert choose(40.0, options, overlap=True) == (64, False)
     assert choose(3.0, options, overlap=False) == (32, False)  # 3 <= 0.1/0.9 x 32
     assert choose(1e6, options, overlap=True) == (CAP, True)
+    # Overlapped, what the steps still wait for at the point keeps to the blocking margin.
+    assert choose(3.0, options, overlap=True, blocked=3.0) == (32, False)  # 3 <= 0.1/0.9 x 32
+    assert choose(40.0, options, overlap=True, blocked=1.0) == (64, False)
 
 
 def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
@@ -735,14 +739,14 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     auto.exchange_seconds = [1.0, 1.0, 1.0]
     for seconds, beside in [(0.115, True)] * 6 + [(0.0625, False)] * 2:
         auto.time_steps(seconds, beside)
-    assert auto.choose(lambda x: x, step=10) == 32  # 16 steps alone: 16 <= 0.75 x 32
+    assert auto.choose(lambda xs: xs, step=10) == 32  # 16 steps alone: 16 <= 0.75 x 32
     assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.115, beside=True)  # none alone: the steps beside it
-    assert auto.choose(lambda x: x, step=20) == 16 and not auto.measured["steps_alone"]
+    assert auto.choose(lambda xs: xs, step=20) == 16 and not auto.measured["steps_alone"]
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.115, beside=True)
-    assert auto.choose(lambda x: max(x, 1e3), step=30) == 256  # another rank's ratio
+    assert auto.choose(lambda xs: [max(x, 1e3) for x in xs], step=30) == 256  # another rank's ratio
     assert auto.choices == [[10, 32], [20, 16], [30, 256]] and auto.capped
 
 
@@ -776,6 +780,7 @@ def test_auto_measures_chooses_says_so_and_a_resume_keeps_its_h(shared_jobs, tmp
     assert auto["candidates"][0] == 4 and auto["chosen"] in auto["candidates"]
     assert [step for step, _ in auto["choices"]] == [20] and auto["revisited"] is False
     assert auto["measured"]["exchange_seconds"] > 0 and auto["measured"]["step_seconds"] > 0
+    assert auto["measured"]["blocked_seconds"] > 0  # the points' own wait, timed too
     assert first["sync"]["every"] == auto["chosen"]
     _, resumed = _run(shared_jobs, tmp_path / "a", *flags, "--epochs", "3")
     assert resumed["resumed_from"] is not None

@@ -66,3 +66,55 @@ def test_doctor_checks_every_host_over_ssh(hosts, tmp_path):
     assert proc.returncode != 0
     assert re.search(rf"^{re.escape(absent)}: problem: .*ssh", proc.stdout, re.M), proc.stdout
     assert f"doctor: problem on {absent} (of 2 hosts and the launch host)" in proc.stdout
+
+
+CALLER = '''
+import json, sys
+import hvdtrain
+
+def where(fail):
+    """Every rank's host and rank, after a real allreduce; on `fail`, the last rank raises."""
+    import socket
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvdtrain.init(threads=1)
+    total = int(hvd.allreduce(tf.constant(hvd.rank()), op=hvd.Sum))
+    if fail and hvd.rank() == hvd.size() - 1:
+        raise ValueError("no data on this host")
+    return {"host": socket.gethostname(), "rank": hvd.rank(), "sum": total}
+
+hosts, workdir, fail = sys.argv[1].split(","), sys.argv[2], sys.argv[3] == "fail"
+try:
+    print(json.dumps(hvdtrain.launch(where, fail, np=2, hosts=hosts, workdir=workdir,
+                                     all_ranks=True)))
+except hvdtrain.JobFailed as e:
+    print("JobFailed:", e)
+'''
+
+
+def test_launch_from_python_runs_a_function_of_the_callers_on_both_hosts(hosts, tmp_path):
+    """docs/notebooks.md: `hvdtrain.launch(fn, np=2, hosts=[...], workdir=...)` called from a
+    Python process on host 0 runs a function of the caller's `__main__` (sent by value) on
+    both hosts, over ssh, and brings every rank's value back; a rank that raises on the
+    other host is one `JobFailed` line naming the rank, its host and the error."""
+    import sys
+
+    caller = tmp_path / "caller.py"
+    caller.write_text(CALLER)
+    listed = ",".join(f"{a}:1" for a in hosts.addresses)
+    env = {"HVDTRAIN_OFFLINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    argv = [sys.executable, str(caller), listed, str(tmp_path)]
+    proc = hosts.run(0, [*argv, "ok"], timeout=300, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    values = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [v["rank"] for v in values] == [0, 1] and {v["sum"] for v in values} == {1}
+    assert [v["host"] for v in values] == hosts.hostnames
+
+    proc = hosts.run(0, [*argv, "fail"], timeout=300, **env)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"JobFailed: rank 1 on host {hosts.addresses[1]} failed: "), (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
+    assert "ValueError: no data on this host (raised in where, caller.py:" in last
+    assert "Traceback" not in proc.stdout + proc.stderr

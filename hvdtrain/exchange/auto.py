@@ -15,7 +15,9 @@ smallest H for which
 
 - blocking: the exchange is at most `MARGINS[False]` (10 %) of a round (H steps and it);
 - overlapped: the exchange in flight takes at most `MARGINS[True]` (75 %) of a round's
-  steps (the rest is the exchange point's own work and the steps' variation),
+  steps (the rest is left to the steps' variation), and what the steps still wait for at
+  each exchange point (its own work: sending the change, landing the last mean) is at most
+  `MARGINS[False]` of a round, as a blocking exchange is,
 
 up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
 cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
@@ -44,13 +46,14 @@ def candidates(unit, cap=CAP):
     return out
 
 
-def choose(ratio, options, overlap):
+def choose(ratio, options, overlap, blocked=0.0):
     """(the smallest H of `options` whose exchange fits, whether none did and the largest
-    was taken) for an exchange of `ratio` steps' time. Pure."""
-    margin = MARGINS[bool(overlap)]
+    was taken) for an exchange of `ratio` steps' time (overlapped: in flight, and `blocked`
+    steps' time of it that the steps wait for at its point). Pure."""
+    wait = ratio if not overlap else blocked
     for h in options:
-        fits = ratio <= margin * h if overlap else ratio <= margin / (1 - margin) * h
-        if fits:
+        blocks = wait <= MARGINS[False] / (1 - MARGINS[False]) * h
+        if blocks and (not overlap or ratio <= MARGINS[True] * h):
             return h, False
     return options[-1], True
 
@@ -69,6 +72,7 @@ class AutoEvery:
         self.step_seconds = []  # a local step's seconds, per execution timed since the choice
         self.beside_seconds = []  # the same, of executions beside an exchange in flight
         self.exchange_seconds = []  # each exchange's seconds since the last choice
+        self.blocked_seconds = []  # overlapped: the steps' wait at each exchange point
         self.chosen = None  # the H in force once measured, else None
         self.measured = None  # what the last choice was made from
         self.capped = False  # whether no H fitted and the cap was taken
@@ -92,14 +96,15 @@ class AutoEvery:
         (self.beside_seconds if beside else self.step_seconds).append(seconds)
 
     def choose(self, agree_max, step):
-        """The H the ranks agree on (`agree_max(x)`: a collective, the largest x of all
-        ranks), from what was timed since the last choice; then timed anew."""
+        """The H the ranks agree on (`agree_max(xs)`: a collective, the largest of each x of
+        all ranks), from what was timed since the last choice; then timed anew."""
         exchange = statistics.median(self.exchange_seconds)
+        blocked = statistics.median(self.blocked_seconds) if self.blocked_seconds else 0.0
         steps = self.step_seconds or self.beside_seconds
         own = statistics.median(steps) if steps else 0.0
-        ratio = exchange / own if own > 0 else float(self.options[-1])
-        ratio = float(agree_max(ratio))
-        h, self.capped = choose(ratio, self.options, self.overlap)
+        ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
+        ratio, blocked_ratio = (float(x) for x in agree_max(ratios))
+        h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio)
         self.measured = {
             "exchange_seconds": round(exchange, 5),
             "step_seconds": round(own, 6),
@@ -107,9 +112,14 @@ class AutoEvery:
             "ratio": round(ratio, 3),
             "exchanges": len(self.exchange_seconds),
         }
+        if self.overlap:
+            self.measured.update(
+                blocked_seconds=round(blocked, 5), blocked_ratio=round(blocked_ratio, 3)
+            )
         self.chosen = h
         self.choices.append([int(step), h])
-        self.step_seconds, self.beside_seconds, self.exchange_seconds = [], [], []
+        self.step_seconds, self.beside_seconds = [], []
+        self.exchange_seconds, self.blocked_seconds = [], []
         return h
 
     def summary(self):

@@ -297,8 +297,11 @@ class Rounds:
         # The epoch's last step makes the whole exchange (as its end would): its time counts
         # with the epoch's steps (the epoch line), and the end finds the ranks agreeing.
         last = step_in_epoch >= (self.sharing.rank_steps() or steps_per_epoch)
+        waited = self.tally.waited
         exchanged = self.now(whole=last)
         if self.auto is not None:
+            if self.averager.overlap and not last:  # the steps' wait at the point
+                self.auto.blocked_seconds.append(self.tally.waited - waited)
             self.auto.exchange_seconds += self.averager.take_timings()
             if self.auto.due(epoch_end=False):
                 self._choose()
@@ -323,8 +326,9 @@ class Rounds:
         """`--sync-every auto`: H agreed from the ranks' measurements, in force from here."""
         r = self.replica
 
-        def agree_max(x):
-            return hvd.allreduce(tf.constant(x, tf.float64), op=hvd.Max, name="hvdtrain.auto")
+        def agree_max(xs):
+            xs = tf.constant(xs, tf.float64)
+            return hvd.allreduce(xs, op=hvd.Max, name="hvdtrain.auto").numpy().tolist()
 
         before, h = self.every, self.auto.choose(agree_max, r.step)
         self.state.every.assign(h)  # checkpointed: a resume goes on with it
@@ -334,11 +338,13 @@ class Rounds:
             self.averager.retrace()
             self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
         m = self.auto.measured
+        blocked = f", waited {1000 * m['blocked_seconds']:.1f} ms" if "blocked_seconds" in m else ""
         logs.get_logger(hvd.rank()).info(
-            "--sync-every auto at step %d: an exchange %.1f ms, a step %.2f ms (%.1f steps): "
+            "--sync-every auto at step %d: an exchange %.1f ms%s, a step %.2f ms (%.1f steps): "
             "H=%d%s%s",
             r.step,
             1000 * m["exchange_seconds"],
+            blocked,
             1000 * m["step_seconds"],
             m["ratio"],
             h,
