@@ -97,7 +97,8 @@ def test_launch_from_python_runs_a_function_of_the_callers_on_both_hosts(hosts, 
     """docs/notebooks.md: `hvdtrain.launch(fn, np=2, hosts=[...], workdir=...)` called from a
     Python process on host 0 runs a function of the caller's `__main__` (sent by value) on
     both hosts, over ssh, and brings every rank's value back; a rank that raises on the
-    other host is one `JobFailed` line naming the rank, its host and the error."""
+    other host is one `JobFailed` line naming the rank, its host and the error, its
+    traceback shown tagged."""
     import sys
 
     caller = tmp_path / "caller.py"
@@ -117,4 +118,5 @@ def test_launch_from_python_runs_a_function_of_the_callers_on_both_hosts(hosts, 
         proc.stdout[-3000:] + proc.stderr[-3000:]
     )
     assert "ValueError: no data on this host (raised in where, caller.py:" in last
-    assert "Traceback" not in proc.stdout + proc.stderr
+    # The failing rank's own traceback comes back from the other host, tagged.
+    assert '[rank 1]     raise ValueError("no data on this host")' in proc.stderr
