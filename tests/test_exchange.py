@@ -336,7 +336,7 @@ def test_h_is_resolved_once_with_its_default():
 
 def test_diloco_outer_rate_is_fitted_to_h_and_the_ranks():
     """The rule of docs/exchanging-less.md: 0.1 up to H=16 on 2 ranks (the measured best),
-    rising as sqrt(H/16) and sqrt(ranks/2) above them, at most the paper's 0.7."""
+    rising as sqrt(H/16) up to H=64 and sqrt(ranks/2) above them, at most the paper's 0.7."""
     from hvdtrain.exchange import outer_step
 
     assert [outer_step(h, 2) for h in (1, 4, 16)] == [0.1, 0.1, 0.1]
@@ -344,7 +344,9 @@ def test_diloco_outer_rate_is_fitted_to_h_and_the_ranks():
     assert outer_step(500, 64) == 0.7  # the paper's setting: its own rate, no more
     rates = [outer_step(h, n) for n in (2, 4, 8) for h in (4, 16, 64, 256)]
     assert all(0.1 <= r <= 0.7 for r in rates)
-    assert outer_step(64, 4) > outer_step(64, 2) and outer_step(256, 2) > outer_step(64, 2)
+    assert outer_step(64, 4) > outer_step(64, 2)
+    # Above the H measured the rate rises no more: 0.4 at H=256 on 2 ranks diverged.
+    assert outer_step(256, 2) == outer_step(128, 2) == outer_step(64, 2) == 0.2
 
 
 @pytest.mark.parametrize("keras", ["2", "3"])

@@ -12,7 +12,8 @@ the same with `--fp16-allreduce`, local SGD and DiLoCo blocking and overlapped a
 each with `--sync-every auto`, blocking, overlapped, overlapped in 16 bits (`--jobs auto`:
 those alone, beside the ceiling). A job's figure is the median samples/s of its epochs
 after the first (rank 0's epoch lines: the steps with their exchanges, not the evaluation);
-each job's samples are sized from the projection so that its epochs take about `--seconds`.
+each job's samples are sized from the projection so that its epochs take about `--seconds`
+(an `auto` job's as its cap's, H=256, so that its epochs hold rounds at any H it picks).
 Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
 bytes each rank puts on its link per sample it trains, and the projection's figure for the
 same link (`projected`: the ring model of `hvdtrain.bench.project` with the epoch's rounds
@@ -36,6 +37,7 @@ from hvdtrain.bench.project import GBIT, efficiency, ring_allreduce_seconds
 from hvdtrain.bench.runner import quiet_wait
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
+from hvdtrain.exchange.auto import CAP
 
 __all__ = [
     "main",
@@ -188,8 +190,10 @@ def _cell(hosts, args, model, mbit, log):
         for label, flags in plan(args.every, args.modes)[1:]:
             if args.jobs and args.jobs not in label:
                 continue
-            h, _ = _h(label)
-            guess = ceiling * predicted(label, model, hosts.count, mbit, step_seconds)
+            # auto's epochs as long as its cap's job: an epoch shorter than a round would
+            # exchange at its end alone, whatever H it chose.
+            h = _h(label)[0] or CAP
+            guess = ceiling * predicted(label, model, hosts.count, mbit, step_seconds, h)
             samples = samples_for(guess, args.seconds, hosts.count, h)
             metrics = os.path.join(args.out, f"{hosts.count}h-{mbit}-{model}-{label}.json")
             metrics = metrics.replace(" ", "_")

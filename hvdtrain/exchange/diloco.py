@@ -8,6 +8,10 @@ from hvdtrain.exchange.rounds import Rounds
 __all__ = ["DiLoCo", "OuterState", "outer_step", "outer_momentum", "OUTER_MOMENTUM"]
 
 OUTER_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum, the paper's
+# The largest H at which the rate's rise with H was measured: above it, on 2 ranks, 0.4 at
+# H=256 (a reach of 4 with the momentum) diverged on the MNIST MLP and convnet
+# (docs/exchanging-less.md, "DiLoCo's outer step").
+H_MEASURED = 64
 HORIZON = 3  # exchanges of a run per exchange of the momentum's memory, 1 / (1 - momentum)
 
 
@@ -24,12 +28,12 @@ def outer_momentum(exchanges):
 def outer_step(every, ranks, momentum=OUTER_MOMENTUM):
     """DiLoCo's outer learning rate for H=`every` local steps between exchanges, `ranks`
     ranks and `momentum`, where `--outer-lr` is not given: at momentum 0.9, 0.1 up to H=16
-    on 2 ranks, x sqrt(H/16) above it, x sqrt(ranks/2) above 2 ranks, at most the paper's
-    0.7. An outer Nesterov step of rate r and momentum m moves the anchor by up to r / (1 -
-    m) times a pseudo-gradient that repeats round after round: a lower momentum gets the
-    rate that keeps that step. The measurements behind the rule are on
+    on 2 ranks, x sqrt(H/16) up to H=`H_MEASURED` (0.2 from there), x sqrt(ranks/2) above 2
+    ranks, at most the paper's 0.7. An outer Nesterov step of rate r and momentum m moves
+    the anchor by up to r / (1 - m) times a pseudo-gradient that repeats round after round:
+    a lower momentum gets the rate that keeps that step. The measurements behind the rule are on
     docs/exchanging-less.md ("DiLoCo's outer step"). Pure."""
-    rate = 0.1 * max(1.0, every / 16) ** 0.5 * max(1.0, ranks / 2) ** 0.5
+    rate = 0.1 * max(1.0, min(every, H_MEASURED) / 16) ** 0.5 * max(1.0, ranks / 2) ** 0.5
     return round(min(rate, 0.7) * (1 - momentum) / (1 - OUTER_MOMENTUM), 3)
 
 
