@@ -456,12 +456,13 @@ def test_diloco_with_outer_sgd_of_rate_1_is_local_sgd_and_ranks_agree_at_exchang
     assert len({r["weights_digest"] for r in m["ranks"]}) == 1
 
 
-@pytest.mark.parametrize("sync", ["local", "diloco"])
-def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, shared_jobs, tmp_path):
+@pytest.mark.parametrize("sync, extra", [("local", []), ("diloco", ["--fp16-allreduce"])])
+def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, extra, shared_jobs, tmp_path):
     """10 synchronous steps (epoch 1), then H=4: resumed from the epoch-1 checkpoint, the run
     ends on the uninterrupted run's weights bit for bit (the anchor of the first local steps
-    is the weights where the warmup ends, in both)."""
+    is the weights where the warmup ends, in both); DiLoCo's change sent in 16 bits."""
     flags = ["--sync", sync, "--sync-every", "4", "--sync-warmup-steps", "10", "--deterministic"]
+    flags += extra
     (whole, _), _ = _run(shared_jobs, tmp_path / "whole", *flags)
     ckpt = str(tmp_path / "ckpt")
     _run(shared_jobs, tmp_path / "cut", *flags, "--epochs", "1", "--checkpoint-dir", ckpt)
