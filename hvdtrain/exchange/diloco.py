@@ -30,11 +30,15 @@ def outer_step(every, ranks, momentum=OUTER_MOMENTUM):
     ranks and `momentum`, where `--outer-lr` is not given: at momentum 0.9, 0.1 up to H=16
     on 2 ranks, x sqrt(H/16) up to H=`H_MEASURED` (0.2 from there), x sqrt(ranks/2) above 2
     ranks, at most the paper's 0.7. An outer Nesterov step of rate r and momentum m moves
-    the anchor by up to r / (1 - m) times a pseudo-gradient that repeats round after round:
-    a lower momentum gets the rate that keeps that step. The measurements behind the rule are on
-    docs/exchanging-less.md ("DiLoCo's outer step"). Pure."""
+    the anchor by up to r / (1 - m) times a pseudo-gradient that repeats round after round
+    (its reach). A momentum fitted below 0.9 to a short run keeps the reach's part above one
+    (the momentum's extrapolation) in proportion to itself: none at momentum 0, where the
+    anchor moves by the ranks' mean change as local SGD's does. The measurements behind the
+    rule are on docs/exchanging-less.md ("DiLoCo's outer step"). Pure."""
     rate = 0.1 * max(1.0, min(every, H_MEASURED) / 16) ** 0.5 * max(1.0, ranks / 2) ** 0.5
-    return round(min(rate, 0.7) * (1 - momentum) / (1 - OUTER_MOMENTUM), 3)
+    reach = min(rate, 0.7) / (1 - OUTER_MOMENTUM)
+    reach = 1 + (reach - 1) * min(momentum, OUTER_MOMENTUM) / OUTER_MOMENTUM
+    return round(reach * (1 - momentum), 3)
 
 
 class OuterState(tf.Module):
