@@ -12,18 +12,21 @@ import uuid
 import pytest
 from conftest import BIN, job_env, worker
 
-from hvdtrain.launcher import chaos, cli
+from hvdtrain.launcher import chaos, chaosreport, cli, faults
 
 MNIST = ["python", "-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512"]
 
 
 def test_the_schedule_is_drawn_from_the_seed_and_takes_every_kind_in_turn():
-    first = chaos.schedule(14, seed=3)
-    assert first == chaos.schedule(14, seed=3)
-    assert first != chaos.schedule(14, seed=4)
-    for block in (first[:7], first[7:]):
+    n = len(chaos.KINDS)
+    first = chaos.schedule(2 * n + 2, seed=3, hosts=3)
+    assert first == chaos.schedule(2 * n + 2, seed=3, hosts=3)
+    assert first != chaos.schedule(2 * n + 2, seed=4, hosts=3)
+    for block in (first[:n], first[n : 2 * n]):
         assert sorted(f.kind for f in block) == sorted(chaos.KINDS)
-    assert [f.index for f in first] == list(range(1, 15))
+    assert [f.index for f in first] == list(range(1, 2 * n + 3))
+    assert {f.host for f in first if f.kind in faults.HOST_KINDS} <= {0, 1, 2}
+    assert all(5 <= f.seconds <= 20 for f in first if f.kind in ("slow-link", "lossy-link"))
     assert all(0 <= f.fraction < 1 and f.rank in (0, 1) for f in first)
     assert all(f.rank == 0 for f in first if f.kind == "kill-in-checkpoint")  # the writer
     few = chaos.schedule(3, seed=0, kinds=("kill-rank",), np=4)
@@ -102,22 +105,24 @@ def test_totals_table_and_lines_say_what_failed():
         ),  # fmt: skip
         _record(4, "term-launcher", traceback=True, survived=False),
     ]
-    sums = chaos.totals(records, digests_equal=True)
+    sums = chaosreport.totals(records, digests_equal=True)
     assert sums == {"faults": 3, "not_injected": 1, "survived": 1, "digests_equal": True,
                     "hangs": 1, "left_behind": 2, "tracebacks": 1,
                     "checkpoints_lost": 0, "failed_alone": 0}  # fmt: skip
-    lines = chaos.table(records).splitlines()
+    lines = chaosreport.table(records).splitlines()
     assert lines[0].split()[:3] == ["#", "kind", "hit"] and len(lines) == 5
     assert [row.split()[2] for row in lines[1:]] == ["1", "1", "-", "launcher"]  # what each hit
     assert lines[2].split()[-1] == "FAILED" and lines[3].endswith("not injected")
-    line = chaos.progress_line(records[1], 4)
+    line = chaosreport.progress_line(records[1], 4)
     assert line.startswith("fault 2/4 stop-rank (rank 1) at epoch 1 step 4 (training): ")
     assert "HANG (over 40 s); 2 process(es) left behind" in line
-    assert chaos.progress_line(records[0], 4).endswith(f"ok: {records[0]['line']}")
-    assert "not injected" in chaos.progress_line(records[2], 4)
-    assert chaos.progress_line(records[3], 4).startswith("fault 4/4 term-launcher (launcher) at ")
-    assert chaos.digest_line("ab" * 32, "ab" * 32).startswith("final weights digest equal")
-    differs = chaos.digest_line("ab" * 32, "cd" * 32)
+    assert chaosreport.progress_line(records[0], 4).endswith(f"ok: {records[0]['line']}")
+    assert "not injected" in chaosreport.progress_line(records[2], 4)
+    assert chaosreport.progress_line(records[3], 4).startswith(
+        "fault 4/4 term-launcher (launcher) at "
+    )
+    assert chaosreport.digest_line("ab" * 32, "ab" * 32).startswith("final weights digest equal")
+    differs = chaosreport.digest_line("ab" * 32, "cd" * 32)
     assert "differs from the uninterrupted run's" in differs and "\n" not in differs
 
 
@@ -129,6 +134,15 @@ def test_totals_table_and_lines_say_what_failed():
         (
             ["chaos", "--kinds", "kill-rank,nuke", "--", "python", "t.py"],
             "`--kinds`: received 'nuke'",
+        ),
+        (
+            ["chaos", "-H", "localhost:2", "--kinds", "kill-host", "--", "python", "t.py"],
+            "cannot inject kill-host: the job has no host other than this one",
+        ),
+        (["chaos", "--hostfile", "/nonexistent/hosts", "--", "python", "t.py"], "hosts"),
+        (
+            ["chaos", "-H", "nodeb:1,nodec:1", "--kinds", "slow-link", "--", "python", "t.py"],
+            "cannot inject slow-link: it needs --network-interface",
         ),
     ],
 )

@@ -120,3 +120,96 @@ def test_launch_from_python_runs_a_function_of_the_callers_on_both_hosts(hosts, 
     assert "ValueError: no data on this host (raised in where, caller.py:" in last
     # The failing rank's own traceback comes back from the other host, tagged.
     assert '[rank 1]     raise ValueError("no data on this host")' in proc.stderr
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_chaos_on_a_hostfile_strikes_a_rank_on_the_other_host_and_the_host(
+    hosts, backend, tmp_path
+):
+    """`hvdtrain-run chaos --hostfile`: a rank killed on the other host (found and signalled
+    over ssh: the namespace it runs in is not this one's) and that whole host killed; both
+    survived, nothing left on either host, the uninterrupted run's weights at the end."""
+    from hvdtrain.launcher import chaos
+
+    kinds = ("kill-rank", "kill-host")
+    seed = next(s for s in range(100) if chaos.schedule(2, s, kinds, 2, 1)[0].rank == 1
+                and chaos.schedule(2, s, kinds, 2, 1)[0].kind == "kill-rank")  # fmt: skip
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
+    report = tmp_path / "chaos.json"
+    argv = [
+        "hvdtrain-run", "chaos", "--hostfile", str(hostfile), "--network-interface", "eth0",
+        "--backend", backend, "--faults", "2", "--seed", str(seed), "--kinds", ",".join(kinds),
+        "--json", str(report), "--workdir", str(tmp_path / "work"), "--",
+        "python", "-m", "hvdtrain.mnist", "--model", "convnet", "--limit-samples", "2048",
+        "--epochs", "2", "--checkpoint-every", "8",
+    ]  # fmt: skip
+    proc = hosts.run(0, argv, timeout=840, HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    r = json.loads(report.read_text())
+    assert r["hosts"] == hosts.addresses, r["hosts"]
+    assert r["faults"] == 2 and r["survived"] == 2 and r["digests_equal"], r
+    assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
+    by_kind = {x["kind"]: x for x in r["records"]}
+    assert by_kind["kill-rank"]["rank"] == 1 and by_kind["kill-rank"]["host"] == hosts.addresses[1]
+    assert by_kind["kill-host"]["host"] == hosts.addresses[1]
+    assert f"kill-host (host {hosts.addresses[1]})" in text
+    assert f"kill-rank (rank 1 on {hosts.addresses[1]})" in text
+
+
+def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo"):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
+    report = tmp_path / "chaos.json"
+    argv = [
+        "hvdtrain-run", "chaos", "--hostfile", str(hostfile), "--network-interface", "eth0",
+        "--backend", backend, "--faults", str(faults), "--seed", str(seed), "--kinds", kinds,
+        "--json", str(report), "--workdir", str(tmp_path / "work"), "--",
+        "python", "-m", "hvdtrain.mnist", "--model", "convnet", "--limit-samples", "2048",
+        "--epochs", "2", "--checkpoint-every", "8",
+    ]  # fmt: skip
+    proc = hosts.run(0, argv, timeout=840, HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2")
+    text = proc.stdout + proc.stderr
+    return proc, text, json.loads(report.read_text()) if report.exists() else None
+
+
+def _qdisc(hosts, i):
+    import subprocess
+
+    argv = ["ip", "netns", "exec", hosts.names[i], "tc", "qdisc", "show", "dev", "eth0"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.mark.timeout(900)
+def test_chaos_slows_the_other_hosts_link_and_the_run_finishes_on_its_weights(hosts, tmp_path):
+    """slow-link: host 1's link at 10 Mbit/s (tbf) for a drawn time, then its own qdisc
+    back; the run goes on to its end, the uninterrupted weights, and says how much slower."""
+    proc, text, r = _chaos_on_hosts(hosts, tmp_path, "slow-link")
+    assert proc.returncode == 0, text[-6000:]
+    assert r["faults"] == 1 and r["survived"] == 1 and r["digests_equal"], r
+    assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
+    (record,) = r["records"]
+    assert record["host"] == hosts.addresses[1] and record["exit_status"] == 0, record
+    # (the link stays slow for its drawn 5-20 s or to the run's end, whichever comes first)
+    assert record["injected"] and 5 <= record["link_seconds"] <= 20, record
+    assert "slower_seconds" in record and record["seconds_to_end"] <= record["promise"], record
+    assert "against the uninterrupted run)" in text
+    assert "tbf" not in _qdisc(hosts, 1)  # freed
+
+
+@pytest.mark.timeout(900)
+def test_chaos_loses_packets_on_the_other_hosts_link_or_says_why_not(hosts, tmp_path):
+    """lossy-link needs the kernel's netem (this machine's kernel has none): refused in one
+    line, exit 2, nothing run; where it has netem, the run finishes on its weights."""
+    proc, text, r = _chaos_on_hosts(hosts, tmp_path, "lossy-link")
+    if "no netem" in text:
+        assert proc.returncode == 2 and r is None, text[-3000:]
+        (line,) = [x for x in text.splitlines() if x.strip()]
+        assert line.startswith("hvdtrain-run chaos: error: cannot inject lossy-link: on "), line
+        assert "Specified qdisc kind is unknown" in line, line
+        assert "netem" not in _qdisc(hosts, 1)
+        return
+    assert proc.returncode == 0, text[-6000:]
+    assert r["survived"] == r["faults"] == 1 and r["digests_equal"], r

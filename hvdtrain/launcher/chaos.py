@@ -3,7 +3,9 @@
 Usage::
 
     hvdtrain-run chaos -np 2 --faults 7 [--seed S] [--backend B] [--kinds K,K,...]
-        [--stall-seconds S] [--json PATH] [--workdir DIR] -- python train.py ARGS
+        [--stall-seconds S] [--json PATH] [--workdir DIR]
+        [-H HOST:SLOTS,... | --hostfile FILE] [--network-interface NIC]
+        [--ssh-port P] [--ssh-identity-file F] -- python train.py ARGS
 
 It runs your command (a script on `hvdtrain.ArgumentParser`) twice under `hvdtrain-run`:
 once uninterrupted, then again while it injects `--faults` faults, one per attempt, at
@@ -27,6 +29,20 @@ The faults (`--kinds`, default all that this machine allows):
     full-disk           the checkpoint folder's disk filled (a 64 MB tmpfs mounted for the
                         run: root only) until the run fails at a checkpoint; freed before
                         the resume
+    kill-host           SIGKILL of every process of the job on one host other than this
+                        one, at once (a host's power lost): with -H or --hostfile only
+    slow-link           one such host's link cut to 10 Mbit/s (`tbf` on its
+                        --network-interface, root there) for 5-20 s: the run must finish,
+                        on the same weights; the report says how much slower
+    lossy-link          the same with 2 % of its packets lost and the rest 20 ms late
+                        (`netem`, where the kernel has it)
+
+With `-H` or `--hostfile` (hvdtrain-run's dialects, with its `--network-interface` and ssh
+options) the job runs on those hosts, and a fault on a rank strikes it on whichever host
+runs it, through the same ssh the launch uses: there `python -m hvdtrain.launcher.hostfaults`
+(this Python's path, as the launch assumes) finds and signals the job's processes. The
+checkpoint folder (in `--workdir`) must be one that every host's rank 0 reaches: rank 0
+writes it, so a shared folder or rank 0 on this host.
 
 After each fault it checks what a user cannot see: that every process of the job ended
 (its processes carry `HVDTRAIN_CHAOS_JOB` in their environment) within the fault's
@@ -54,8 +70,18 @@ import uuid
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.launcher import faults
+from hvdtrain.launcher.chaosreport import (
+    digest_line,
+    fault_record,
+    last_line,
+    progress_line,
+    table,
+    totals,
+)
 from hvdtrain.launcher.faults import (  # (chaos's own names too)
+    HOST_KINDS,
     KINDS,
+    LINK_KINDS,
     MARKER,
     Fault,
     checkpoint_order,
@@ -64,27 +90,14 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     moment,
     promise,
     schedule,
-    target,
 )
+from hvdtrain.launcher.hostfaults import HostUnreachable, cannot, job_hosts
 from hvdtrain.launcher.hosts import MAX_PROCESSES
 from hvdtrain.runtime import processes
 from hvdtrain.runtime.numbers import whole_number_type
 
-__all__ = [
-    "KINDS",
-    "Fault",
-    "schedule",
-    "job_command",
-    "launch_command",
-    "promise",
-    "moment",
-    "totals",
-    "table",
-    "progress_line",
-    "digest_line",
-    "job_processes",
-    "main",
-]
+__all__ = ["KINDS", "Fault", "schedule", "promise", "moment", "job_processes",
+           "job_command", "launch_command", "main"]  # fmt: skip
 
 PROG = "hvdtrain-run chaos"
 _TRACEBACK = "Traceback (most recent call last)"
@@ -117,98 +130,13 @@ def job_command(command, checkpoint_dir, metrics_json):
     return argv
 
 
-def launch_command(python, np, backend, command):
-    """hvdtrain-run's command line for `command` (pure)."""
-    argv = [python, "-m", "hvdtrain.launcher.cli", "-q", "-np", str(np)]
+def launch_command(python, np, backend, command, launch=()):
+    """hvdtrain-run's command line for `command`, with its options `launch` (the hosts,
+    the interface, ssh's) (pure)."""
+    argv = [python, "-m", "hvdtrain.launcher.cli", "-q", "-np", str(np), *launch]
     if backend:
         argv += ["--backend", backend]
     return [*argv, "--", *command]
-
-
-def totals(records, digests_equal):
-    """The run's totals from the fault `records` (dicts) (pure)."""
-    injected = [r for r in records if r["injected"]]
-    return {
-        "faults": len(injected),
-        "not_injected": len(records) - len(injected),
-        "survived": sum(1 for r in injected if r["survived"]),
-        "digests_equal": bool(digests_equal),
-        "hangs": sum(1 for r in injected if r["hang"]),
-        "left_behind": sum(r["processes_left"] for r in injected),
-        "tracebacks": sum(1 for r in injected if r["traceback"]),
-        "checkpoints_lost": sum(1 for r in injected if r["checkpoint_lost"]),
-        "failed_alone": sum(1 for r in records if r.get("failed_alone")),
-    }
-
-
-def progress_line(record, total):
-    """`fault 3/7 kill-rank (rank 1) at epoch 2 step 4 (training): ended in 6.1 s, exit 1:
-    <its line>` (pure)."""
-    who = f" ({target(record)})" if target(record) != "-" else ""
-    head = f"fault {record['index']}/{total} {record['kind']}{who}"
-    if not record["injected"]:
-        return f"{head}: not injected ({record['line']})"
-    when = record["when"]
-    at = f"at epoch {when['epoch']} step {when['step']} ({when['phase']})"
-    problems = [
-        p
-        for p, bad in (
-            (f"HANG (over {record['promise']:g} s)", record["hang"]),
-            (f"{record['processes_left']} process(es) left behind", record["processes_left"]),
-            ("a traceback printed", record["traceback"]),
-            ("a checkpoint lost", record["checkpoint_lost"]),
-        )
-        if bad
-    ]
-    verdict = "; ".join(problems) if problems else "ok"
-    line = f": {record['line']}" if record["line"] else ""
-    return (
-        f"{head} {at}: ended in {record['seconds_to_end']:.1f} s, exit "
-        f"{record['exit_status']}, {verdict}{line}"
-    )
-
-
-def table(records):
-    """The faults as a fixed-width table (pure)."""
-    rows = [("#", "kind", "hit", "epoch", "step", "phase", "exit", "s to end", "left", "tb",
-             "lost", "result")]  # fmt: skip
-    for r in records:
-        when = r.get("when") or {}
-        rows.append(
-            (
-                str(r["index"]),
-                r["kind"],
-                target(r).removeprefix("rank "),
-                str(when.get("epoch", "-")),
-                str(when.get("step", "-")),
-                when.get("phase", "-"),
-                str(r["exit_status"]),
-                f"{r['seconds_to_end']:.1f}" if r["injected"] else "-",
-                str(r["processes_left"]),
-                "yes" if r["traceback"] else "no",
-                "yes" if r["checkpoint_lost"] else "no",
-                ("survived" if r["survived"] else "FAILED")
-                if r["injected"]
-                else ("FAILED ALONE" if r.get("failed_alone") else "not injected"),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
-
-
-def digest_line(reference, final):
-    """The verdict on the final weights, one line (pure)."""
-    if final is None:
-        return "the run with faults did not finish: no final weights to compare"
-    if final == reference:
-        return f"final weights digest equal to the uninterrupted run's ({final[:16]})"
-    return (
-        f"final weights digest {final[:16]} differs from the uninterrupted run's "
-        f"{(reference or '?')[:16]}: the script does not resume exactly (unseeded random "
-        "numbers, state outside the model and optimizer, or data order of its own)"
-    )
 
 
 class _Job:
@@ -216,10 +144,11 @@ class _Job:
 
     instances = []  # every job of this process: ended with chaos itself (`run`)
 
-    def __init__(self, argv, env, log):
+    def __init__(self, argv, env, log, hosts=None):
         _Job.instances.append(self)
         self.marker = uuid.uuid4().hex
         self.log = log
+        self.hosts = hosts  # `Hosts`: the job's other hosts, or None
         self.started = time.monotonic()
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
@@ -232,33 +161,34 @@ class _Job:
             )
 
     def ended(self):
-        return self.proc.poll() is not None and not job_processes(self.marker)
+        if self.proc.poll() is None or job_processes(self.marker):
+            return False
+        return not (self.hosts and self.hosts.running(self.marker))
 
     def wait_end(self, deadline):
-        """Waits until every process of the job ended or `deadline` (monotonic); returns
-        the processes it then ended with SIGKILL (left behind)."""
+        """Waits until every process of the job, on every host, ended or `deadline`
+        (monotonic); returns the processes it then ended with SIGKILL (left behind)."""
         while time.monotonic() < deadline:
             if self.ended():
                 return 0
-            time.sleep(0.1)
+            time.sleep(0.1 if self.hosts is None else 0.5)
         left = job_processes(self.marker)
         processes.send_all(left, signal.SIGKILL)
+        left = len(left)
+        for host in self.hosts.running(self.marker) if self.hosts else ():
+            try:
+                left += len(self.hosts.send(self.marker, host, "KILL"))
+            except HostUnreachable:
+                pass
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        return len(left)
+        return left
 
     def output(self):
         with open(self.log, errors="replace") as f:
             return f.read()
-
-
-def _last_line(text):
-    """The job's one line about how it ended: its last hvdtrain line."""
-    lines = [line.strip() for line in text.splitlines()]
-    ours = [line for line in lines if line.startswith(("hvdtrain-run", "hvdtrain:"))]
-    return (ours or [""])[-1][:300]
 
 
 def _digest(metrics_json):
@@ -270,8 +200,10 @@ def _digest(metrics_json):
 
 
 class _Chaos:
-    def __init__(self, args, kinds, workdir):
+    def __init__(self, args, kinds, workdir, hosts=None):
         self.args, self.kinds, self.workdir = args, kinds, workdir
+        self.hosts = hosts  # `Hosts`: the job's hosts other than this one, or None
+        self.placed = None  # {rank: the other host that runs it}: `_place`
         env = dict(os.environ)
         env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
         env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(faults.GRACE_SECONDS))
@@ -285,23 +217,27 @@ class _Chaos:
     def _argv(self, name, ckpt):
         metrics = os.path.join(self.workdir, f"{name}.metrics.json")
         command = job_command(self.args.command, ckpt, metrics)
-        argv = launch_command(sys.executable, self.args.np, self.args.backend, command)
+        argv = launch_command(
+            sys.executable, self.args.np, self.args.backend, command, self.args.launch
+        )
         return argv, metrics
 
     def reference(self):
         ckpt = os.path.join(self.workdir, "uninterrupted")
         argv, metrics = self._argv("uninterrupted", ckpt)
-        job = _Job(argv, self.env, os.path.join(self.workdir, "uninterrupted.log"))
+        job = _Job(argv, self.env, os.path.join(self.workdir, "uninterrupted.log"), self.hosts)
         while job.proc.poll() is None:
             for name in complete_checkpoints(ckpt):
                 self.timeline.setdefault(name, time.monotonic() - job.started)
+            if self.hosts and self.timeline and self.placed is None:
+                self._place(job)
             time.sleep(0.05)
         self.duration = time.monotonic() - job.started
         job.wait_end(time.monotonic() + 30)
         if job.proc.returncode != 0:
             raise HvdtrainError(
                 f"the uninterrupted run failed (exit {job.proc.returncode}: "
-                f"{_last_line(job.output()) or 'see ' + job.log}); fix it before the chaos run"
+                f"{last_line(job.output()) or 'see ' + job.log}); fix it before the chaos run"
             )
         digest = _digest(metrics)
         if digest is None:
@@ -350,36 +286,25 @@ class _Chaos:
         argv, metrics = self._argv("chaos", ckpt)
         before = complete_checkpoints(ckpt)
         resumed_from = before[-1] if before else None
-        job = _Job(argv, self.env, os.path.join(self.workdir, f"chaos-{self.attempts}.log"))
+        log = os.path.join(self.workdir, f"chaos-{self.attempts}.log")
+        job = _Job(argv, self.env, log, self.hosts)
         if fault is None:
             job.proc.wait()
             left = job.wait_end(time.monotonic() + 30)
-            return job.proc.returncode, {"left": left, "line": _last_line(job.output())}
+            return job.proc.returncode, {"left": left, "line": last_line(job.output())}
         expected = self._expected(resumed_from)
-        record = {
-            "index": fault.index,
-            "kind": fault.kind,
-            "rank": fault.rank,
-            "injected": False,
-            "when": None,
-            "exit_status": None,
-            "line": "",
-            "seconds_to_end": 0.0,
-            "promise": promise(fault.kind, self.stall, self.grace, expected),
-            "hang": False,
-            "processes_left": 0,
-            "traceback": False,
-            "checkpoint_lost": False,
-            "survived": False,
-        }
+        record = fault_record(fault, promise(fault.kind, self.stall, self.grace, expected,
+                                             slow=fault.seconds))  # fmt: skip
         self._wait_moment(job, ckpt, fault, resumed_from)
         filler = None
         target = None
-        if job.proc.poll() is None:
-            if fault.kind in ("kill-rank", "stop-rank", "damage-checkpoint"):
-                target = self._rank_pid(job, fault.rank)
-            if fault.kind == "kill-in-checkpoint":
-                target = self._rank_pid(job, 0)
+        if job.proc.poll() is None and fault.kind in (
+            "kill-rank",
+            "stop-rank",
+            "damage-checkpoint",
+            "kill-in-checkpoint",
+        ):  # (kill-in-checkpoint's rank is 0: the writer)
+            target = self._rank(job, fault.rank)
         if job.proc.poll() is None:
             newest = complete_checkpoints(ckpt)
             last = max(self.timeline, key=checkpoint_order) if self.timeline else None
@@ -391,7 +316,9 @@ class _Chaos:
             elif last and newest and checkpoint_order(newest[-1]) >= checkpoint_order(last):
                 phase = "after training"
             epoch, step = faults.checkpoint_position(newest[-1] if newest else None)
-            record["promise"] = promise(fault.kind, self.stall, self.grace, expected, phase)
+            record["promise"] = promise(
+                fault.kind, self.stall, self.grace, expected, phase, fault.seconds
+            )
             record["when"] = {"epoch": epoch, "step": step, "phase": phase,
                               "seconds": round(time.monotonic() - job.started, 1)}  # fmt: skip
             kind = fault.kind
@@ -400,17 +327,32 @@ class _Chaos:
                     os.kill(
                         job.proc.pid, signal.SIGKILL if kind == "kill-launcher" else signal.SIGTERM
                     )
+                    hit = True
                 elif kind == "full-disk":
                     filler = faults.fill_disk(ckpt)
-                elif target is not None and not processes.send(
-                    target, signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL
-                ):
-                    target = None  # it ended meanwhile
-                record["injected"] = kind == "full-disk" or target is not None or "launcher" in kind
-            except ProcessLookupError:
-                pass
+                    hit = True
+                elif kind == "kill-host":
+                    record["host"] = self.hosts.names[fault.host % len(self.hosts.names)]
+                    hit = self._strike(job, (record["host"], None), None, "KILL")
+                elif kind in LINK_KINDS:
+                    record["host"] = self.hosts.names[fault.host % len(self.hosts.names)]
+                    nic = self.args.network_interface
+                    why = self.hosts.qdisc(record["host"], nic, LINK_KINDS[kind])
+                    hit, record["line"] = why is None, why or ""
+                else:  # a rank's: the kinds above
+                    hit = target is not None and self._strike(
+                        job, target, fault.rank, "STOP" if kind == "stop-rank" else "KILL"
+                    )
+                    if target is not None and self.hosts:
+                        record["host"] = target[0] or self.args.here
+                record["injected"] = hit
+            except (ProcessLookupError, HostUnreachable) as e:
+                record["line"] = str(e) if isinstance(e, HostUnreachable) else ""
             if not record["injected"]:
-                record["line"] = "the rank was not found running"
+                record["line"] = record["line"] or (
+                    "the host's processes were not found running" if kind == "kill-host"
+                    else "the rank was not found running"
+                )  # fmt: skip
         injected_at = time.monotonic()
         if not record["injected"]:
             job.proc.wait()
@@ -420,13 +362,19 @@ class _Chaos:
                 record["line"] = "the run ended before the fault's moment"
             if code:  # a failure that no fault caused: the script's, or hvdtrain's
                 record["failed_alone"] = True
-                record["line"] = (
-                    f"the run failed by itself, exit {code}: {_last_line(job.output())}"
-                )
+                record["line"] = f"the run failed by itself, exit {code}: {last_line(job.output())}"
             record["exit_status"] = code
             return job.proc.returncode, record
         newest_before = (complete_checkpoints(ckpt) or [None])[-1]
+        if fault.kind in LINK_KINDS:
+            try:
+                while time.monotonic() < injected_at + fault.seconds and job.proc.poll() is None:
+                    time.sleep(0.1)
+            finally:
+                self.hosts.qdisc(record["host"], self.args.network_interface)
         left = job.wait_end(injected_at + record["promise"])
+        if fault.kind in LINK_KINDS:
+            record["slower_seconds"] = round(time.monotonic() - job.started - expected, 1)
         record["seconds_to_end"] = round(time.monotonic() - injected_at, 1)
         record["hang"] = bool(left)
         record["processes_left"] = left
@@ -435,7 +383,7 @@ class _Chaos:
         code = job.proc.returncode
         text = job.output()
         record["exit_status"] = code
-        record["line"] = _last_line(text)
+        record["line"] = last_line(text)
         record["traceback"] = _TRACEBACK in text
         after = complete_checkpoints(ckpt)
         record["checkpoint_lost"] = bool(
@@ -447,19 +395,50 @@ class _Chaos:
             faults.damage_checkpoint(ckpt, after[-1])
             record["damaged"] = after[-1]
         record["survived"] = not (
-            record["hang"] or record["traceback"] or record["checkpoint_lost"]
+            record["hang"]
+            or record["traceback"]
+            or record["checkpoint_lost"]
+            or (fault.kind in LINK_KINDS and code != 0)  # a poor link must not end the run
         )
         return code, record
 
-    def _rank_pid(self, job, rank):
-        """The rank's process (`processes.Recorded`), waiting for it to start (up to the end
-        of the job)."""
+    def _place(self, job):
+        """Which of the other hosts runs each rank, in the uninterrupted run (hvdtrain-run
+        places the ranks on the hosts in the same order each time): a fault on a rank there
+        then costs one ssh at its moment, not one a host."""
+        self.placed = {}
+        for rank in range(self.args.np):
+            found = None if faults.rank_pid(job.marker, rank) else self.hosts.find(job.marker, rank)
+            if found:
+                self.placed[rank] = found[0]
+
+    def _rank(self, job, rank):
+        """Where the rank's process runs, waiting for it to start (up to the end of the
+        job): (None, its `processes.Recorded`) on this host, (host, None) on another of the
+        job's, or None."""
+        if rank in (self.placed or ()):
+            return self.placed[rank], None
         while job.proc.poll() is None:
             process = faults.rank_pid(job.marker, rank)
             if process:
-                return process
+                return None, process
+            found = self.hosts.find(job.marker, rank) if self.hosts else None
+            if found:
+                return found[0], None
             time.sleep(0.1)
         return None
+
+    def _strike(self, job, target, rank, name):
+        """SIG`name` to the rank at `target` (`_rank`'s), or to every process of the job on
+        its host where `rank` is None; True when sent."""
+        host, process = target
+        if host is None:
+            return processes.send(process, getattr(signal, "SIG" + name))
+        while job.proc.poll() is None:  # (in the start-up: once the rank has started)
+            if self.hosts.send(job.marker, host, name, rank=rank):
+                return True
+            time.sleep(0.1)
+        return False
 
 
 def _parse(argv):
@@ -470,7 +449,8 @@ def _parse(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("-np", "--num-proc", dest="np", default=2, metavar="N", help="default 2",
+    p.add_argument("-np", "--num-proc", dest="np", metavar="N",
+                   help="default: the hosts' slots with -H or --hostfile, else 2",
                    type=whole_number_type("-np", maximum=MAX_PROCESSES, bound=True))  # fmt: skip
     p.add_argument("--faults", default=7, metavar="N", help="faults to inject (default 7)",
                    type=whole_number_type("--faults", 0))  # fmt: skip
@@ -485,6 +465,13 @@ def _parse(argv):
         type=whole_number_type("--stall-seconds"),
         help=f"HVDTRAIN_STALL_SHUTDOWN_SECONDS for the runs (default {faults.STALL_SECONDS})",
     )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="as hvdtrain-run's")
+    where.add_argument("--hostfile", "-hostfile", metavar="FILE", help="as hvdtrain-run's")
+    p.add_argument("--network-interface", metavar="NIC", help="as hvdtrain-run's")
+    p.add_argument("--ssh-port", metavar="P", help="as hvdtrain-run's",
+                   type=whole_number_type("--ssh-port", maximum=65535))  # fmt: skip
+    p.add_argument("--ssh-identity-file", metavar="FILE", help="as hvdtrain-run's")
     p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
     p.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: a new temp)")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -510,10 +497,19 @@ def _exit_on_sigterm(signum, frame):
 
 def run(args):
     """The chaos run of parsed `args`; returns the exit status."""
+    kinds = args.kinds or KINDS
+    hosts = job_hosts(args)
+    for kind in HOST_KINDS:
+        why = cannot(kind, hosts, args.network_interface) if kind in kinds else None
+        if why and args.kinds:
+            raise HvdtrainError(f"cannot inject {kind}: {why}; leave it out of --kinds")
+        if why:
+            if hosts:
+                print(f"{PROG}: {kind} left out: {why}", flush=True)
+            kinds = tuple(k for k in kinds if k != kind)
     workdir = args.workdir or tempfile.mkdtemp(prefix="hvdtrain-chaos-")
     os.makedirs(workdir, exist_ok=True)
     workdir = os.path.abspath(workdir)
-    kinds = args.kinds or KINDS
     ckpt = os.path.join(workdir, "chaos")
     mounted = False
     if "full-disk" in kinds:
@@ -528,7 +524,7 @@ def run(args):
     # process of the job left running, no tmpfs left mounted over the folder.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        ok = _run(args, kinds, workdir, ckpt)
+        ok = _run(args, kinds, workdir, ckpt, hosts)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for job in _Job.instances:
@@ -540,9 +536,9 @@ def run(args):
     return 0 if ok else 1
 
 
-def _run(args, kinds, workdir, ckpt):
-    chaos = _Chaos(args, kinds, workdir)
-    drawn = schedule(args.faults, args.seed, kinds, args.np)
+def _run(args, kinds, workdir, ckpt, hosts):
+    chaos = _Chaos(args, kinds, workdir, hosts)
+    drawn = schedule(args.faults, args.seed, kinds, args.np, len(hosts.names) if hosts else 1)
     print(f"{PROG}: {len(drawn)} faults (seed {args.seed}); logs and checkpoints in {workdir}",
           flush=True)  # fmt: skip
     print(f"{PROG}: the uninterrupted run ...", flush=True)
@@ -553,8 +549,8 @@ def _run(args, kinds, workdir, ckpt):
         code, record = chaos.attempt(ckpt, fault)
         records.append(record)
         print(f"{PROG}: {progress_line(record, len(drawn))}", flush=True)
-        if code == 0 and not record["injected"]:  # the run finished before the fault
-            break
+        if code == 0 and (not record["injected"] or fault.kind in LINK_KINDS):
+            break  # the run finished (before the fault, or through a poor link)
     if code != 0:
         code, last = chaos.attempt(ckpt, None)
         if code != 0:
@@ -578,6 +574,7 @@ def _run(args, kinds, workdir, ckpt):
             "seed": args.seed,
             "np": args.np,
             "backend": args.backend,
+            "hosts": [args.here, *(hosts.names if hosts else ())],
             "command": list(args.command),
             "reference_digest": reference,
             "final_digest": final,

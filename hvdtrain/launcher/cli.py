@@ -50,7 +50,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 
 from hvdtrain.errors import (
@@ -78,6 +77,7 @@ from hvdtrain.launcher.hosts import (
     local_hosts,
     parse_hosts_arg,
     read_hostfile,
+    this_host_names,
     total_slots,
 )
 from hvdtrain.launcher.slurm import detect_allocation
@@ -492,12 +492,6 @@ def _check_program(program, path):
     not, Gloo's ranks exit 127."""
     if shutil.which(program, path=path) is None:
         raise invalid_value("command", program, "a program on PATH, or a path to one, on this host")
-
-
-def this_host_names():
-    """This host's names: its hostname, and its short name."""
-    name = socket.gethostname()
-    return tuple(dict.fromkeys([name, name.split(".")[0]]))
 
 
 def _doctor(args):

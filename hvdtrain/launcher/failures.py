@@ -393,7 +393,8 @@ def explain(failure, hosts=()):
     if code == SSH_LOST:
         return (
             f"{who} was lost first: exit status 255, ssh's when its connection ends (the host "
-            "went down, its network did, or its sshd stopped); the job was ended. "
+            "went down, its network did, or its sshd stopped) or a signal ended the process "
+            "there (SIGKILL: the out-of-memory killer, a kill); the job was ended. "
             "`hvdtrain-run doctor` checks the hosts before a new launch."
         )
     if code and 128 < code <= 128 + 64:

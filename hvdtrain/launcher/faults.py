@@ -20,6 +20,8 @@ from hvdtrain.runtime import processes
 
 __all__ = [
     "KINDS",
+    "HOST_KINDS",
+    "LINK_KINDS",
     "MARKER",
     "Fault",
     "schedule",
@@ -45,7 +47,18 @@ KINDS = (
     "kill-in-checkpoint",
     "damage-checkpoint",
     "full-disk",
+    "kill-host",
+    "slow-link",
+    "lossy-link",
 )
+HOST_KINDS = ("kill-host", "slow-link", "lossy-link")  # another host's: -H or --hostfile
+LINK_KINDS = {  # the root qdisc each gives a host's link, for a drawn time (`LINK_SECONDS`)
+    # 10 Mbit/s where its packets leave: a queue of 50 ms, a burst of 64 kB
+    "slow-link": ["tbf", "rate", "10mbit", "burst", "64kb", "latency", "50ms"],
+    # 2 % of its packets lost, the rest 20 ms late (netem: a kernel may lack it)
+    "lossy-link": ["netem", "loss", "2%", "delay", "20ms"],
+}
+LINK_SECONDS = (5.0, 20.0)
 MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
 STALL_SECONDS = 20
 GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
@@ -55,18 +68,22 @@ TMPFS_MB = 64  # full-disk: the size of the tmpfs mounted over the checkpoint fo
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """One fault of the schedule: its `kind`, the `fraction` of the attempt's expected
-    duration after which it strikes, and the `rank` it hits (kinds on a rank)."""
+    duration after which it strikes, the `rank` it hits (kinds on a rank) and the `host`
+    (kinds on another host: an index into the other hosts of the job) and, for the
+    `LINK_KINDS`, the `seconds` they last."""
 
     index: int
     kind: str
     fraction: float
     rank: int
+    host: int = 0
+    seconds: float = 0.0
 
 
-def schedule(faults, seed, kinds=KINDS, np=2):
+def schedule(faults, seed, kinds=KINDS, np=2, hosts=1):
     """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
-    moments and ranks drawn from the seed, so that every kind comes once in each
-    len(kinds) faults."""
+    moments and ranks (and for `kill-host` one of `hosts` other hosts) drawn from the seed,
+    so that every kind comes once in each len(kinds) faults."""
     rng = random.Random(seed)
     order = []
     while len(order) < faults:
@@ -77,7 +94,9 @@ def schedule(faults, seed, kinds=KINDS, np=2):
     for i, kind in enumerate(order[:faults]):
         fraction = round(rng.random(), 3)
         rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
-        out.append(Fault(i + 1, kind, fraction, rank))
+        host = rng.randrange(max(1, hosts)) if kind in HOST_KINDS else 0
+        seconds = round(rng.uniform(*LINK_SECONDS), 1) if kind in LINK_KINDS else 0.0
+        out.append(Fault(i + 1, kind, fraction, rank, host, seconds))
     return out
 
 
@@ -99,15 +118,18 @@ def moment(fraction, checkpoints, in_a_write=False):
     return "after", k, round(position - k, 3)
 
 
-def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training"):
+def promise(
+    kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase="training", slow=0.0
+):
     """The seconds within which every process of the job has ended after a fault of `kind`
     (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
     10 s later); a launcher killed outright leaves ranks that end within a second
     (`hvdtrain.runtime.orphan`); a stopped rank ends the job after twice the `stall` time at most
     (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
     `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
-    next checkpoint (`expected`: the attempt's expected duration). 20 s on top of each for
-    start-up and a loaded host."""
+    next checkpoint (`expected`: the attempt's expected duration); a link slowed for `slow`
+    seconds lets the run finish within its expected time and those seconds. 20 s on top of
+    each for start-up and a loaded host."""
     slack = 20
     return {
         "kill-rank": grace + 10 + slack,
@@ -117,6 +139,9 @@ def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase
         "kill-in-checkpoint": grace + 10 + slack,
         "damage-checkpoint": grace + 10 + slack,
         "full-disk": expected + grace + 10 + slack,
+        "kill-host": grace + 10 + slack,
+        "slow-link": expected + slow + grace + 10 + slack,
+        "lossy-link": expected + slow + grace + 10 + slack,
     }[kind]
 
 
@@ -125,8 +150,11 @@ def promise(kind, stall=STALL_SECONDS, grace=GRACE_SECONDS, expected=60.0, phase
 
 def job_processes(marker):
     """{`processes.Recorded`: environment (a dict)} of the living processes of the job
-    `marker` (`MARKER` in their environment)."""
-    return processes.marked(MARKER, marker)
+    `marker` (`MARKER` in their environment) on this host: in this process's network
+    namespace (namespace test hosts share one table of processes; another host's are
+    reached over ssh, `hostfaults`)."""
+    found = processes.marked(MARKER, marker).items()
+    return {p: env for p, env in found if processes.in_this_network(p.pid)}
 
 
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -228,8 +256,14 @@ def fill_disk(folder):
 
 
 def target(record):
-    """What a fault hit: `rank 1`, `launcher`, or `-` (a checkpoint, the disk) (pure)."""
+    """What a fault hit: `rank 1` (`rank 1 on HOST` where the job has other hosts), `host
+    HOST`, `launcher`, or `-` (a checkpoint, the disk) (pure)."""
     kind = record["kind"]
     if "launcher" in kind:
         return "launcher"
-    return f"rank {record['rank']}" if "rank" in kind or "stop" in kind else "-"
+    if kind in HOST_KINDS:
+        return f"host {record.get('host')}"
+    if "rank" in kind or "stop" in kind:
+        on = f" on {record['host']}" if record.get("host") else ""
+        return f"rank {record['rank']}{on}"
+    return "-"

@@ -16,6 +16,7 @@ Every mistake is one `HvdtrainError` naming the file and line (`hosts.txt:3: ...
 
 import os
 import re
+import socket
 from typing import NamedTuple
 
 from hvdtrain.errors import HvdtrainError, invalid_value
@@ -30,6 +31,7 @@ __all__ = [
     "format_hosts",
     "local_hosts",
     "is_local",
+    "this_host_names",
     "LOCAL_NAMES",
 ]
 
@@ -183,6 +185,19 @@ def format_hosts(hosts):
 def local_hosts(slots):
     """This host alone, with `slots` slots: what runs when no hosts are given."""
     return [Host("localhost", slots)]
+
+
+def this_host_names(addresses=False):
+    """This host's names: its hostname, and its short name; with `addresses`, the addresses
+    its hostname resolves to as well (a hostfile may name this host so)."""
+    name = socket.gethostname()
+    names = [name, name.split(".")[0]]
+    if addresses:
+        try:
+            names += [info[4][0] for info in socket.getaddrinfo(name, None)]
+        except OSError:
+            pass
+    return tuple(dict.fromkeys(names))
 
 
 def is_local(name, own_names=()):

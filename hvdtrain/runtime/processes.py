@@ -203,6 +203,16 @@ def marked(name, value):
     return found
 
 
+def in_this_network(pid):
+    """Whether process `pid` is in this process's network namespace (namespace test hosts
+    share one table of processes). psutil does not read namespaces: the one link read
+    here. A process gone, or a system without the links, counts as here."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return True
+
+
 def send(process, signum):
     """Sends `signum` to `process` (a `Recorded`) if it is still that process; True when
     sent. Where the kernel has pidfds, the process is held while its start is compared, so

@@ -1,0 +1,206 @@
+"""The chaos run's hands on the other hosts of a hostfile: the job's processes on a host
+found and signalled through the ssh that the launch uses, by this module run there
+(`python -m hvdtrain.launcher.hostfaults MARKER [--rank R] [--send SIGNAL]`), so that a
+fault strikes a rank wherever it runs and `kill-host` strikes every process of the job on
+one host at once.
+
+    hosts = Hosts(["10.0.0.2"], python, ssh_port=None, ssh_identity_file=None)
+    hosts.find(marker, rank=1)                 # ("10.0.0.2", [{"pid": ..., "rank": 1}]) or None
+    hosts.send(marker, "10.0.0.2", "KILL")     # every process of the job there; what it hit
+    hosts.running(marker)                      # {host: count} of the job's processes left
+    hosts.qdisc("10.0.0.2", "eth0", ["tbf", "rate", "10mbit", ...])   # its link slowed
+    hosts.qdisc("10.0.0.2", "eth0")            # back to the kernel's default
+
+A host's processes are those in the network namespace of the ssh session there: on
+separate machines all of that host's; on namespace test hosts (`hvdtrain.bench.netns`),
+which share one table of processes, that host's only (`faults.job_processes` keeps to this
+one's the same way). No TensorFlow here.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+from hvdtrain.launcher.doctor import ssh_argv
+from hvdtrain.launcher.faults import LINK_KINDS, MARKER, job_processes, rank_pid
+from hvdtrain.launcher.hosts import (
+    is_local,
+    parse_hosts_arg,
+    read_hostfile,
+    this_host_names,
+    total_slots,
+)
+from hvdtrain.runtime import processes
+
+__all__ = ["Hosts", "HostUnreachable", "cannot", "job_hosts", "main"]
+
+_PREFIX = "@@hostfaults "
+
+
+class HostUnreachable(RuntimeError):
+    """ssh to a host of the job failed, or its answer could not be read."""
+
+
+class Hosts:
+    """The other hosts of the job (names as the hostfile gives them), reached with `python`
+    over `ssh -o BatchMode=yes [-p P] [-i F]`."""
+
+    def __init__(self, names, python, ssh_port=None, ssh_identity_file=None, timeout=30):
+        self.names = list(names)
+        self.python = python
+        self.ssh = (ssh_port, ssh_identity_file)
+        self.timeout = timeout
+
+    def _ask(self, host, marker="", rank=None, send=None, qdisc=None):
+        remote = [self.python, "-m", "hvdtrain.launcher.hostfaults", marker]
+        if rank is not None:
+            remote += ["--rank", str(rank)]
+        if send:
+            remote += ["--send", send]
+        if qdisc:
+            remote += ["--qdisc", *qdisc]
+        argv = [*ssh_argv(host, *self.ssh), shlex.join(remote)]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True,
+                                  timeout=self.timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise HostUnreachable(f"{host}: ssh did not answer within {self.timeout} s") from None
+        for line in reversed(done.stdout.splitlines()):
+            if line.startswith(_PREFIX):
+                return json.loads(line[len(_PREFIX) :])
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise HostUnreachable(f"{host}: exit {done.returncode}: {tail}")
+
+    def find(self, marker, rank):
+        """(host, [its processes]) of the job's rank `rank`, or None where no host has it."""
+        for host in self.names:
+            found = self._ask(host, marker, rank=rank)
+            if found:
+                return host, found
+        return None
+
+    def send(self, marker, host, name, rank=None):
+        """SIG`name` to the job's processes on `host` (only rank `rank`'s, if given): the
+        processes it was sent to."""
+        return self._ask(host, marker, rank=rank, send=name)
+
+    def qdisc(self, host, nic, spec=()):
+        """`host`'s link `nic` given the root qdisc `spec` (`tc qdisc replace dev NIC root
+        SPEC`: where its packets leave), or its own qdisc deleted (the kernel's default
+        back) without one: None, or why it could not."""
+        return self._ask(host, qdisc=[nic, *spec])
+
+    def running(self, marker, unreachable_ok=True):
+        """{host: the count of the job's processes there} for the hosts that have any. A
+        host ssh cannot reach counts none where `unreachable_ok` (a host that lost its
+        network: its processes are the job's end to time, not this count's)."""
+        out = {}
+        for host in self.names:
+            try:
+                count = len(self._ask(host, marker))
+            except HostUnreachable:
+                if not unreachable_ok:
+                    raise
+                count = 0
+            if count:
+                out[host] = count
+        return out
+
+
+def _here(marker, rank=None, send=None):
+    """What this host has of the job `marker` (rank `rank`'s Python process only, if
+    given), signalled with SIG`send` if given: [{"pid", "rank"}] of those found (sent)."""
+    if rank is not None:
+        found = [p for p in [rank_pid(marker, rank)] if p]
+    else:
+        found = list(job_processes(marker))
+    if send:
+        signum = getattr(signal, "SIG" + send)
+        found = [p for p in found if processes.send(p, signum)]
+    return [{"pid": p.pid, "rank": rank} for p in found]
+
+
+def cannot(kind, hosts, nic):
+    """Why a fault of `kind` (of `HOST_KINDS`) cannot be injected, or None."""
+    if hosts is None:
+        return "the job has no host other than this one (give -H or --hostfile)"
+    if kind in LINK_KINDS and not nic:
+        return "it needs --network-interface (the hosts' link to slow)"
+    if kind in LINK_KINDS:  # tried: the qdisc given, then deleted at once
+        try:
+            why = hosts.qdisc(hosts.names[0], nic, LINK_KINDS[kind])
+            hosts.qdisc(hosts.names[0], nic)
+        except HostUnreachable as e:
+            return str(e)
+        if why and kind == "lossy-link" and "unknown" in why:
+            return f"on {hosts.names[0]}: {why} (the kernel there has no netem)"
+        return f"on {hosts.names[0]}: {why} (it needs root there)" if why else None
+    return None
+
+
+def job_hosts(args):
+    """The job's hosts other than this one as `Hosts` (None where there are none), from
+    `-H` or `--hostfile`; sets `args.launch` (hvdtrain-run's options for the hosts), `args.np`
+    (default: the hosts' slots, else 2) and `args.here` (this host's name in the records)."""
+    listed = None
+    if args.hosts:
+        listed = parse_hosts_arg(args.hosts)
+    elif args.hostfile:
+        listed = read_hostfile(args.hostfile)
+    args.launch = []
+    for flag, value in (("-H", args.hosts), ("--hostfile", args.hostfile),
+                        ("--network-interface", args.network_interface),
+                        ("--ssh-port", args.ssh_port),
+                        ("--ssh-identity-file", args.ssh_identity_file)):  # fmt: skip
+        if value is not None:
+            args.launch += [flag, str(value)]
+    args.np = args.np or (total_slots(listed) if listed else 2)
+    own = this_host_names(addresses=True)
+    args.here = next((h.name for h in listed or () if is_local(h.name, own)), own[0])
+    others = [h.name for h in listed or () if not is_local(h.name, own)]
+    if not others:
+        return None
+    return Hosts(others, sys.executable, args.ssh_port, args.ssh_identity_file)
+
+
+def _qdisc(nic, spec):
+    """This host's link `nic` given the root qdisc `spec`, or its own deleted without one:
+    None, or why it could not."""
+    # (an ssh session's PATH often leaves out the sbin folders where tc lives)
+    tc = shutil.which("tc", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") or "tc"
+    if spec:
+        argv = [tc, "qdisc", "replace", "dev", nic, "root", *spec]
+    else:
+        argv = [tc, "qdisc", "del", "dev", nic, "root"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"cannot run tc: {e.strerror or e}"
+    if done.returncode and spec:  # (`del` where none was given fails too: nothing to undo)
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return f"`tc qdisc replace dev {nic} root {spec[0]} ...` failed: {tail}"
+    return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.launcher.hostfaults")
+    p.add_argument("marker", help=f"the job's {MARKER}")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--send", choices=("KILL", "TERM", "STOP", "CONT"))
+    p.add_argument("--qdisc", nargs=argparse.REMAINDER, metavar="NIC [SPEC]")
+    args = p.parse_args(argv)
+    if args.qdisc:
+        answer = _qdisc(args.qdisc[0], args.qdisc[1:])
+    else:
+        answer = _here(args.marker, args.rank, args.send)
+    print(_PREFIX + json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
