@@ -26,7 +26,8 @@ def test_the_schedule_is_drawn_from_the_seed_and_takes_every_kind_in_turn():
         assert sorted(f.kind for f in block) == sorted(chaos.KINDS)
     assert [f.index for f in first] == list(range(1, 2 * n + 3))
     assert {f.host for f in first if f.kind in faults.HOST_KINDS} <= {0, 1, 2}
-    assert all(5 <= f.seconds <= 20 for f in first if f.kind in ("slow-link", "lossy-link"))
+    timed = ("slow-link", "lossy-link", "cut-host")
+    assert all(5 <= f.seconds <= 20 for f in first if f.kind in timed)
     assert all(0 <= f.fraction < 1 and f.rank in (0, 1) for f in first)
     assert all(f.rank == 0 for f in first if f.kind == "kill-in-checkpoint")  # the writer
     few = chaos.schedule(3, seed=0, kinds=("kill-rank",), np=4)
@@ -144,6 +145,10 @@ def test_totals_table_and_lines_say_what_failed():
             ["chaos", "-H", "nodeb:1,nodec:1", "--kinds", "slow-link", "--", "python", "t.py"],
             "cannot inject slow-link: it needs --network-interface",
         ),
+        (
+            ["chaos", "-H", "nodeb:1,nodec:1", "--kinds", "cut-host", "--", "python", "t.py"],
+            "cannot inject cut-host: it needs --network-interface",
+        ),
     ],
 )
 def test_a_mistake_in_the_options_is_one_line(argv, words, capsys):
@@ -186,7 +191,7 @@ def test_chaos_ended_by_sigterm_leaves_no_job_and_no_tmpfs(tmp_path):
     finally:
         proc.kill()
     assert not mounted()
-    assert not _running(marker)
+    assert not _running(marker), [open(f"/proc/{p}/cmdline").read() for p in _running(marker)]
 
 
 def _running(marker):

@@ -2,6 +2,7 @@
 
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -159,14 +160,14 @@ def test_chaos_on_a_hostfile_strikes_a_rank_on_the_other_host_and_the_host(
     assert f"kill-rank (rank 1 on {hosts.addresses[1]})" in text
 
 
-def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo"):
+def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo", more=()):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
     report = tmp_path / "chaos.json"
     argv = [
         "hvdtrain-run", "chaos", "--hostfile", str(hostfile), "--network-interface", "eth0",
         "--backend", backend, "--faults", str(faults), "--seed", str(seed), "--kinds", kinds,
-        "--json", str(report), "--workdir", str(tmp_path / "work"), "--",
+        "--json", str(report), "--workdir", str(tmp_path / "work"), *more, "--",
         "python", "-m", "hvdtrain.mnist", "--model", "convnet", "--limit-samples", "2048",
         "--epochs", "2", "--checkpoint-every", "8",
     ]  # fmt: skip
@@ -176,8 +177,6 @@ def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo"):
 
 
 def _qdisc(hosts, i):
-    import subprocess
-
     argv = ["ip", "netns", "exec", hosts.names[i], "tc", "qdisc", "show", "dev", "eth0"]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
 
@@ -197,6 +196,30 @@ def test_chaos_slows_the_other_hosts_link_and_the_run_finishes_on_its_weights(ho
     assert "slower_seconds" in record and record["seconds_to_end"] <= record["promise"], record
     assert "against the uninterrupted run)" in text
     assert "tbf" not in _qdisc(hosts, 1)  # freed
+
+
+@pytest.mark.timeout(900)
+def test_chaos_cuts_the_other_host_off_the_job_ends_naming_it_and_resumes_once_back(
+    hosts, tmp_path
+):
+    """cut-host: host 1's link set down (by a process there) past the promised end: the
+    job ends naming the host within the promise, the host answers again with nothing of the
+    job left, and the resumed run ends on the uninterrupted weights. (Gloo here; under MPI
+    the same passed by hand, 2026-12-06: one backend per kind keeps the slow suite short.)"""
+    more = ["--stall-seconds", "10"]
+    proc, text, r = _chaos_on_hosts(hosts, tmp_path, "cut-host", seed=3, more=more)
+    assert proc.returncode == 0, text[-6000:]
+    assert r["faults"] == 1 and r["survived"] == 1 and r["digests_equal"], r
+    assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
+    (record,) = r["records"]
+    assert record["host"] == hosts.addresses[1] and record["host_back"], record
+    assert record["exit_status"] != 0 and hosts.addresses[1] in record["line"], record
+    assert record["seconds_to_end"] <= record["promise"], record
+    assert f"cut-host (host {hosts.addresses[1]})" in text
+    assert "state UP" in subprocess.run(
+        ["ip", "netns", "exec", hosts.names[1], "ip", "link", "show", "eth0"],
+        capture_output=True, text=True, timeout=30,
+    ).stdout  # fmt: skip
 
 
 @pytest.mark.timeout(900)

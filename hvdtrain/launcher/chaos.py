@@ -31,6 +31,9 @@ The faults (`--kinds`, default all that this machine allows):
                         the resume
     kill-host           SIGKILL of every process of the job on one host other than this
                         one, at once (a host's power lost): with -H or --hostfile only
+    cut-host            one such host's --network-interface set down (root there) until
+                        after the job's promised end, then up: the job must end naming
+                        the host, and resume once it is back
     slow-link           one such host's link cut to 10 Mbit/s (`tbf` on its
                         --network-interface, root there) for 5-20 s: the run must finish,
                         on the same weights; the report says how much slower
@@ -91,7 +94,7 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     promise,
     schedule,
 )
-from hvdtrain.launcher.hostfaults import HostUnreachable, cannot, job_hosts
+from hvdtrain.launcher.hostfaults import HostUnreachable, Ranks, cannot, job_hosts
 from hvdtrain.launcher.hosts import MAX_PROCESSES
 from hvdtrain.runtime import processes
 from hvdtrain.runtime.numbers import whole_number_type
@@ -184,6 +187,9 @@ class _Job:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        gone = time.monotonic() + 10  # (a SIGKILL is delivered when the process next runs)
+        while job_processes(self.marker) and time.monotonic() < gone:
+            time.sleep(0.05)
         return left
 
     def output(self):
@@ -203,7 +209,7 @@ class _Chaos:
     def __init__(self, args, kinds, workdir, hosts=None):
         self.args, self.kinds, self.workdir = args, kinds, workdir
         self.hosts = hosts  # `Hosts`: the job's hosts other than this one, or None
-        self.placed = None  # {rank: the other host that runs it}: `_place`
+        self.ranks = Ranks(hosts)  # where each rank runs
         env = dict(os.environ)
         env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
         env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(faults.GRACE_SECONDS))
@@ -229,8 +235,8 @@ class _Chaos:
         while job.proc.poll() is None:
             for name in complete_checkpoints(ckpt):
                 self.timeline.setdefault(name, time.monotonic() - job.started)
-            if self.hosts and self.timeline and self.placed is None:
-                self._place(job)
+            if self.hosts and self.timeline and self.ranks.placed is None:
+                self.ranks.place(job.marker, self.args.np)
             time.sleep(0.05)
         self.duration = time.monotonic() - job.started
         job.wait_end(time.monotonic() + 30)
@@ -304,7 +310,7 @@ class _Chaos:
             "damage-checkpoint",
             "kill-in-checkpoint",
         ):  # (kill-in-checkpoint's rank is 0: the writer)
-            target = self._rank(job, fault.rank)
+            target = self.ranks.where(job.marker, fault.rank, job.proc)
         if job.proc.poll() is None:
             newest = complete_checkpoints(ckpt)
             last = max(self.timeline, key=checkpoint_order) if self.timeline else None
@@ -333,15 +339,25 @@ class _Chaos:
                     hit = True
                 elif kind == "kill-host":
                     record["host"] = self.hosts.names[fault.host % len(self.hosts.names)]
-                    hit = self._strike(job, (record["host"], None), None, "KILL")
-                elif kind in LINK_KINDS:
+                    hit = self.ranks.strike(
+                        job.marker, (record["host"], None), None, "KILL", job.proc
+                    )
+                elif kind in HOST_KINDS:  # cut-host and the link kinds
                     record["host"] = self.hosts.names[fault.host % len(self.hosts.names)]
                     nic = self.args.network_interface
-                    why = self.hosts.qdisc(record["host"], nic, LINK_KINDS[kind])
+                    if kind == "cut-host":  # down past the promised end: the job ends first
+                        down = record["promise"] + fault.seconds
+                        why = self.hosts.cut(record["host"], nic, down)
+                    else:
+                        why = self.hosts.qdisc(record["host"], nic, LINK_KINDS[kind])
                     hit, record["line"] = why is None, why or ""
                 else:  # a rank's: the kinds above
-                    hit = target is not None and self._strike(
-                        job, target, fault.rank, "STOP" if kind == "stop-rank" else "KILL"
+                    hit = target is not None and self.ranks.strike(
+                        job.marker,
+                        target,
+                        fault.rank,
+                        "STOP" if kind == "stop-rank" else "KILL",
+                        job.proc,
                     )
                     if target is not None and self.hosts:
                         record["host"] = target[0] or self.args.here
@@ -376,6 +392,10 @@ class _Chaos:
         if fault.kind in LINK_KINDS:
             record["slower_seconds"] = round(time.monotonic() - job.started - expected, 1)
         record["seconds_to_end"] = round(time.monotonic() - injected_at, 1)
+        if fault.kind == "cut-host":  # (its processes are counted once it is back)
+            back = injected_at + 1 + record["promise"] + fault.seconds + faults.BACK_SECONDS
+            gone, record["host_back"] = self.hosts.wait_back(job.marker, record["host"], back)
+            left += gone
         record["hang"] = bool(left)
         record["processes_left"] = left
         if filler:
@@ -399,46 +419,10 @@ class _Chaos:
             or record["traceback"]
             or record["checkpoint_lost"]
             or (fault.kind in LINK_KINDS and code != 0)  # a poor link must not end the run
+            or (fault.kind == "cut-host" and not (code == 0 or record["host"] in record["line"]))
+            or not record.get("host_back", True)  # a cut host must answer again
         )
         return code, record
-
-    def _place(self, job):
-        """Which of the other hosts runs each rank, in the uninterrupted run (hvdtrain-run
-        places the ranks on the hosts in the same order each time): a fault on a rank there
-        then costs one ssh at its moment, not one a host."""
-        self.placed = {}
-        for rank in range(self.args.np):
-            found = None if faults.rank_pid(job.marker, rank) else self.hosts.find(job.marker, rank)
-            if found:
-                self.placed[rank] = found[0]
-
-    def _rank(self, job, rank):
-        """Where the rank's process runs, waiting for it to start (up to the end of the
-        job): (None, its `processes.Recorded`) on this host, (host, None) on another of the
-        job's, or None."""
-        if rank in (self.placed or ()):
-            return self.placed[rank], None
-        while job.proc.poll() is None:
-            process = faults.rank_pid(job.marker, rank)
-            if process:
-                return None, process
-            found = self.hosts.find(job.marker, rank) if self.hosts else None
-            if found:
-                return found[0], None
-            time.sleep(0.1)
-        return None
-
-    def _strike(self, job, target, rank, name):
-        """SIG`name` to the rank at `target` (`_rank`'s), or to every process of the job on
-        its host where `rank` is None; True when sent."""
-        host, process = target
-        if host is None:
-            return processes.send(process, getattr(signal, "SIG" + name))
-        while job.proc.poll() is None:  # (in the start-up: once the rank has started)
-            if self.hosts.send(job.marker, host, name, rank=rank):
-                return True
-            time.sleep(0.1)
-        return False
 
 
 def _parse(argv):
@@ -549,7 +533,7 @@ def _run(args, kinds, workdir, ckpt, hosts):
         code, record = chaos.attempt(ckpt, fault)
         records.append(record)
         print(f"{PROG}: {progress_line(record, len(drawn))}", flush=True)
-        if code == 0 and (not record["injected"] or fault.kind in LINK_KINDS):
+        if code == 0 and (not record["injected"] or fault.kind in (*LINK_KINDS, "cut-host")):
             break  # the run finished (before the fault, or through a poor link)
     if code != 0:
         code, last = chaos.attempt(ckpt, None)

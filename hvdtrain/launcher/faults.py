@@ -48,17 +48,20 @@ KINDS = (
     "damage-checkpoint",
     "full-disk",
     "kill-host",
+    "cut-host",
     "slow-link",
     "lossy-link",
 )
-HOST_KINDS = ("kill-host", "slow-link", "lossy-link")  # another host's: -H or --hostfile
+# another host's: -H or --hostfile
+HOST_KINDS = ("kill-host", "cut-host", "slow-link", "lossy-link")
 LINK_KINDS = {  # the root qdisc each gives a host's link, for a drawn time (`LINK_SECONDS`)
     # 10 Mbit/s where its packets leave: a queue of 50 ms, a burst of 64 kB
     "slow-link": ["tbf", "rate", "10mbit", "burst", "64kb", "latency", "50ms"],
     # 2 % of its packets lost, the rest 20 ms late (netem: a kernel may lack it)
     "lossy-link": ["netem", "loss", "2%", "delay", "20ms"],
 }
-LINK_SECONDS = (5.0, 20.0)
+LINK_SECONDS = (5.0, 20.0)  # and a cut's time past its promised end (`promise`)
+BACK_SECONDS = 120  # a cut host back: what waited there for a gone peer ends (TCP's backoff)
 MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
 STALL_SECONDS = 20
 GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
@@ -95,7 +98,8 @@ def schedule(faults, seed, kinds=KINDS, np=2, hosts=1):
         fraction = round(rng.random(), 3)
         rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
         host = rng.randrange(max(1, hosts)) if kind in HOST_KINDS else 0
-        seconds = round(rng.uniform(*LINK_SECONDS), 1) if kind in LINK_KINDS else 0.0
+        timed = kind in LINK_KINDS or kind == "cut-host"
+        seconds = round(rng.uniform(*LINK_SECONDS), 1) if timed else 0.0
         out.append(Fault(i + 1, kind, fraction, rank, host, seconds))
     return out
 
@@ -128,8 +132,9 @@ def promise(
     (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
     `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
     next checkpoint (`expected`: the attempt's expected duration); a link slowed for `slow`
-    seconds lets the run finish within its expected time and those seconds. 20 s on top of
-    each for start-up and a loaded host."""
+    seconds lets the run finish within its expected time and those seconds; a host cut off
+    leaves the job to the watchdog (as a stopped rank does), then the launcher's grace and
+    its 5 s ssh probe. 20 s on top of each for start-up and a loaded host."""
     slack = 20
     return {
         "kill-rank": grace + 10 + slack,
@@ -140,6 +145,7 @@ def promise(
         "damage-checkpoint": grace + 10 + slack,
         "full-disk": expected + grace + 10 + slack,
         "kill-host": grace + 10 + slack,
+        "cut-host": (10 if phase == "start-up" else 2) * stall + grace + 10 + 5 + slack,
         "slow-link": expected + slow + grace + 10 + slack,
         "lossy-link": expected + slow + grace + 10 + slack,
     }[kind]

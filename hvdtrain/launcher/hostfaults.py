@@ -1,6 +1,7 @@
 """The chaos run's hands on the other hosts of a hostfile: the job's processes on a host
 found and signalled through the ssh that the launch uses, by this module run there
-(`python -m hvdtrain.launcher.hostfaults MARKER [--rank R] [--send SIGNAL]`), so that a
+(`python -m hvdtrain.launcher.hostfaults MARKER [--rank R] [--send SIGNAL]`, or
+`--qdisc NIC SPEC...` and `--cut NIC SECONDS` for its link), so that a
 fault strikes a rank wherever it runs and `kill-host` strikes every process of the job on
 one host at once.
 
@@ -10,6 +11,9 @@ one host at once.
     hosts.running(marker)                      # {host: count} of the job's processes left
     hosts.qdisc("10.0.0.2", "eth0", ["tbf", "rate", "10mbit", ...])   # its link slowed
     hosts.qdisc("10.0.0.2", "eth0")            # back to the kernel's default
+    hosts.cut("10.0.0.2", "eth0", 90)          # its link down for 90 s, from a process there
+    hosts.wait_back(marker, "10.0.0.2", deadline)   # it answers again, nothing of the job left
+    Ranks(hosts).where(marker, 1, proc)        # (host, None) or (None, a process here)
 
 A host's processes are those in the network namespace of the ssh session there: on
 separate machines all of that host's; on namespace test hosts (`hvdtrain.bench.netns`),
@@ -25,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from hvdtrain.launcher.doctor import ssh_argv
 from hvdtrain.launcher.faults import LINK_KINDS, MARKER, job_processes, rank_pid
@@ -37,7 +42,7 @@ from hvdtrain.launcher.hosts import (
 )
 from hvdtrain.runtime import processes
 
-__all__ = ["Hosts", "HostUnreachable", "cannot", "job_hosts", "main"]
+__all__ = ["Hosts", "HostUnreachable", "Ranks", "cannot", "job_hosts", "main"]
 
 _PREFIX = "@@hostfaults "
 
@@ -56,7 +61,7 @@ class Hosts:
         self.ssh = (ssh_port, ssh_identity_file)
         self.timeout = timeout
 
-    def _ask(self, host, marker="", rank=None, send=None, qdisc=None):
+    def _ask(self, host, marker="", rank=None, send=None, qdisc=None, cut=None):
         remote = [self.python, "-m", "hvdtrain.launcher.hostfaults", marker]
         if rank is not None:
             remote += ["--rank", str(rank)]
@@ -64,6 +69,8 @@ class Hosts:
             remote += ["--send", send]
         if qdisc:
             remote += ["--qdisc", *qdisc]
+        if cut:
+            remote += ["--cut", *cut]
         argv = [*ssh_argv(host, *self.ssh), shlex.join(remote)]
         try:
             done = subprocess.run(argv, capture_output=True, text=True,
@@ -95,6 +102,28 @@ class Hosts:
         back) without one: None, or why it could not."""
         return self._ask(host, qdisc=[nic, *spec])
 
+    def cut(self, host, nic, seconds=0.0):
+        """`host`'s link `nic` set down in a second, for `seconds`, then up again, by a
+        process left there (ssh cannot reach a host cut off); without `seconds` only the
+        right to do so tried (`ip link set NIC up`): None, or why it could not."""
+        return self._ask(host, cut=[nic, str(seconds)])
+
+    def wait_back(self, marker, host, deadline):
+        """Waits until `host` answers ssh again with nothing of the job left there (what
+        waited for a peer that is gone ends once the network is back), or `deadline`
+        (monotonic); then ends what is left: (the processes left, whether it answered)."""
+        while time.monotonic() < deadline:
+            try:
+                if not self._ask(host, marker):
+                    return 0, True
+            except HostUnreachable:
+                pass
+            time.sleep(1)
+        try:
+            return len(self.send(marker, host, "KILL")), True
+        except HostUnreachable:
+            return 0, False
+
     def running(self, marker, unreachable_ok=True):
         """{host: the count of the job's processes there} for the hosts that have any. A
         host ssh cannot reach counts none where `unreachable_ok` (a host that lost its
@@ -110,6 +139,54 @@ class Hosts:
             if count:
                 out[host] = count
         return out
+
+
+class Ranks:
+    """Where each rank of a job runs, on this host or on one of `hosts` (a `Hosts`, or
+    None), and a signal sent to it there. `proc`: the job's launcher (a `subprocess.Popen`),
+    whose end ends every wait."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+        self.placed = None  # {rank: the other host that runs it}: `place`
+
+    def place(self, marker, np):
+        """Learns which of the other hosts runs each of the `np` ranks of a running job
+        (hvdtrain-run places the ranks on the hosts in the same order each time): a fault
+        on a rank there then costs one ssh at its moment, not one a host."""
+        self.placed = {}
+        for rank in range(np):
+            found = None if rank_pid(marker, rank) else self.hosts.find(marker, rank)
+            if found:
+                self.placed[rank] = found[0]
+
+    def where(self, marker, rank, proc):
+        """Where the rank's process runs, waiting for it to start (up to the end of the
+        job): (None, its `processes.Recorded`) on this host, (host, None) on another of the
+        job's, or None."""
+        if rank in (self.placed or ()):
+            return self.placed[rank], None
+        while proc.poll() is None:
+            process = rank_pid(marker, rank)
+            if process:
+                return None, process
+            found = self.hosts.find(marker, rank) if self.hosts else None
+            if found:
+                return found[0], None
+            time.sleep(0.1)
+        return None
+
+    def strike(self, marker, target, rank, name, proc):
+        """SIG`name` to the rank at `target` (`where`'s), or to every process of the job on
+        its host where `rank` is None; True when sent."""
+        host, process = target
+        if host is None:
+            return processes.send(process, getattr(signal, "SIG" + name))
+        while proc.poll() is None:  # (in the start-up: once the rank has started)
+            if self.hosts.send(marker, host, name, rank=rank):
+                return True
+            time.sleep(0.1)
+        return False
 
 
 def _here(marker, rank=None, send=None):
@@ -129,8 +206,14 @@ def cannot(kind, hosts, nic):
     """Why a fault of `kind` (of `HOST_KINDS`) cannot be injected, or None."""
     if hosts is None:
         return "the job has no host other than this one (give -H or --hostfile)"
-    if kind in LINK_KINDS and not nic:
-        return "it needs --network-interface (the hosts' link to slow)"
+    if (kind in LINK_KINDS or kind == "cut-host") and not nic:
+        return "it needs --network-interface (the hosts' link to slow or cut)"
+    if kind == "cut-host":
+        try:
+            why = hosts.cut(hosts.names[0], nic)
+        except HostUnreachable as e:
+            return str(e)
+        return f"on {hosts.names[0]}: {why} (it needs root there)" if why else None
     if kind in LINK_KINDS:  # tried: the qdisc given, then deleted at once
         try:
             why = hosts.qdisc(hosts.names[0], nic, LINK_KINDS[kind])
@@ -168,11 +251,39 @@ def job_hosts(args):
     return Hosts(others, sys.executable, args.ssh_port, args.ssh_identity_file)
 
 
+def _sbin(program):
+    # (an ssh session's PATH often leaves out the sbin folders where ip and tc live)
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    return shutil.which(program, path=path) or program
+
+
+def _cut(nic, seconds):
+    """This host's link `nic` set down in a second for `seconds`, then up, by a process of
+    its own (the ssh that asked is cut too); with no `seconds`, `ip link set NIC up` tried
+    (a no-op that needs the same right): None, or why it could not."""
+    ip = _sbin("ip")
+    try:
+        done = subprocess.run([ip, "link", "set", nic, "up"], capture_output=True, text=True,
+                              timeout=30)  # fmt: skip
+    except OSError as e:
+        return f"cannot run ip: {e.strerror or e}"
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return f"`ip link set {nic} up` failed: {tail}"
+    if seconds > 0:
+        nic_, ip_ = shlex.quote(nic), shlex.quote(ip)
+        script = (f"sleep 1; {ip_} link set {nic_} down; sleep {seconds:g}; "
+                  f"{ip_} link set {nic_} up")  # fmt: skip
+        subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # fmt: skip
+    return None
+
+
 def _qdisc(nic, spec):
     """This host's link `nic` given the root qdisc `spec`, or its own deleted without one:
     None, or why it could not."""
-    # (an ssh session's PATH often leaves out the sbin folders where tc lives)
-    tc = shutil.which("tc", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") or "tc"
+    tc = _sbin("tc")
     if spec:
         argv = [tc, "qdisc", "replace", "dev", nic, "root", *spec]
     else:
@@ -193,8 +304,11 @@ def main(argv=None):
     p.add_argument("--rank", type=int)
     p.add_argument("--send", choices=("KILL", "TERM", "STOP", "CONT"))
     p.add_argument("--qdisc", nargs=argparse.REMAINDER, metavar="NIC [SPEC]")
+    p.add_argument("--cut", nargs=2, metavar=("NIC", "SECONDS"))
     args = p.parse_args(argv)
-    if args.qdisc:
+    if args.cut:
+        answer = _cut(args.cut[0], float(args.cut[1]))
+    elif args.qdisc:
         answer = _qdisc(args.qdisc[0], args.qdisc[1:])
     else:
         answer = _here(args.marker, args.rank, args.send)
