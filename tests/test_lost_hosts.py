@@ -54,7 +54,7 @@ def kill_host(hosts, i):
 def start_and_wait_for_checkpoint(hosts, hostfile, backend, ckpt, **env):
     """The job on host 0 (hvdtrain-run), once its first checkpoint is written."""
     job = subprocess.Popen(
-        hosts._in(0, mnist(hosts, hostfile, backend, ckpt, 500)),
+        hosts.inside(0, mnist(hosts, hostfile, backend, ckpt, 500)),
         env=hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2", **env),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -212,7 +212,7 @@ def test_elastic_a_killed_host_is_left_out_and_joins_again_only_after_a_cooldown
         "--limit-samples", "1280", "--commit-every", "5", "--metrics-json", str(metrics),
     ]  # fmt: skip
     job = subprocess.Popen(
-        hosts._in(0, argv),
+        hosts.inside(0, argv),
         env=hosts.env(HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2", **ELASTIC_ENV),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

@@ -331,7 +331,7 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
         verbose = [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", hostlist, "--gloo",
                    "--network-interface", "eth0", "--verbose", sys.executable, *JOB,
                    "--metrics-json", str(metrics)]  # fmt: skip
-        proc, out = start_job(hosts._in(0, verbose), env=env)
+        proc, out = start_job(hosts.inside(0, verbose), env=env)
         launcher = psutil.Process(proc.pid)
         ranks = _ranks(launcher, 1)  # the first host's rank; the other is under ssh there
         (rank,) = ranks.values()

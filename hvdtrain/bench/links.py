@@ -144,7 +144,7 @@ def _ceiling(hosts, args, model):
     """Every host trains its share alone, all at once: their rates summed."""
     share = args.ceiling_samples // hosts.count
     procs = [
-        subprocess.Popen(hosts._in(i, _mnist(args, model, share, [])), env=hosts.env(**_ENV),
+        subprocess.Popen(hosts.inside(i, _mnist(args, model, share, [])), env=hosts.env(**_ENV),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(hosts.count)
     ]  # fmt: skip

@@ -177,10 +177,10 @@ class NamespaceHosts:
         ]
         log = open(f"{w}/sshd{i}.log", "a")  # noqa: SIM115 (closed with the process)
         self._sshd[i] = subprocess.Popen(
-            self._in(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.inside(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def _in(self, i, argv):
+    def inside(self, i, argv):
         """argv run inside host i: its network namespace and a UTS namespace of its own name."""
         script = f'hostname {self.hostnames[i]} && exec "$@"'
         if self.cores is not None:  # the host's own core: its sshd's children inherit it
@@ -213,7 +213,7 @@ class NamespaceHosts:
         """Runs argv on host i (from its namespace); returns the CompletedProcess."""
         for attempt in range(retries + 1):
             proc = subprocess.run(
-                self._in(i, argv),
+                self.inside(i, argv),
                 env=self.env(**env),
                 cwd=ROOT,
                 capture_output=True,

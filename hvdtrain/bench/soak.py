@@ -2,6 +2,8 @@
 
     python -m hvdtrain.bench.soak --faults 128 --json soak.json              # the figure
     python -m hvdtrain.bench.soak --faults 14 --cells step-gloo-k2,files-mpi # a few cells
+    python -m hvdtrain.bench.soak --hosts 2 --faults 30 --kinds kill-host,cut-host,slow-link \
+        --json soak-hosts.json                                  # across namespace hosts (root)
 
 Each cell is one chaos run (`hvdtrain.launcher.chaos`: an uninterrupted run, then the same
 command with faults, resumed after each; every kind of fault in turn) on 2 ranks of this
@@ -15,6 +17,12 @@ final digest equalled the uninterrupted run's, `hangs`, `left_behind`, `tracebac
 survived and every digest equal. It never imports TensorFlow, and its jobs never download
 (HVDTRAIN_OFFLINE=1: the embedded digits). On a quiet 2-core host
 `--faults 128` (121 injected) took 36 minutes; other work beside it slows it a lot.
+
+With `--hosts N` (2 or 3; root) each cell runs across N namespace test hosts
+(`hvdtrain.bench.netns`), one rank a host, chaos started on the first with `--hostfile` and
+`--network-interface eth0`, the MNIST jobs on 2,048 samples: the host-level kinds join the
+others (those this kernel lacks, `lossy-link`, are left out with a line). `--kinds` is
+passed to every cell's chaos.
 """
 
 import argparse
@@ -31,18 +39,19 @@ from hvdtrain.errors import HvdtrainError, exit_with_error, invalid_value
 __all__ = ["CELLS", "cells", "spread", "sum_cells", "main"]
 
 PROG = "python -m hvdtrain.bench.soak"
-MNIST = ("python", "-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512",
-         "--epochs", "3", "--checkpoint-every", "4")  # fmt: skip
+MNIST = ("python", "-m", "hvdtrain.mnist", "--model", "mlp", "--epochs", "3",
+         "--checkpoint-every", "4")  # fmt: skip
 
 
-def cells(root=PACKAGE_ROOT):
-    """{name: (backend, command)} of the matrix (pure)."""
+def cells(root=PACKAGE_ROOT, samples=512):
+    """{name: (backend, command)} of the matrix, the MNIST jobs on `samples` (pure)."""
     out = {}
+    mnist = (*MNIST, "--limit-samples", str(samples))
     for sync in ("step", "local", "diloco"):
         every = ("--sync-every", "4") if sync != "step" else ()
         for backend in ("gloo", "mpi"):
             for keras in ("2", "3"):
-                command = (*MNIST, "--sync", sync, *every, "--keras", keras)
+                command = (*mnist, "--sync", sync, *every, "--keras", keras)
                 out[f"{sync}-{backend}-k{keras}"] = (backend, command)
     script = os.path.join(root, "examples", "tfrecord_train.py")
     for backend in ("gloo", "mpi"):
@@ -92,11 +101,15 @@ def main(argv=None):
     p.add_argument("--cells", help="comma-separated, default all: " + ",".join(CELLS))
     p.add_argument("--json", required=True, metavar="PATH", help="the totals and every cell")
     p.add_argument("--workdir", help="the cells' folders (default: a new temp folder)")
+    p.add_argument("--hosts", default="0", help="namespace hosts, 2 or 3 (default: this one)")
+    p.add_argument("--kinds", help="chaos's --kinds for every cell (default: all it can)")
     args = p.parse_args(argv)
     try:
         for name in ("faults", "seed"):
             if not getattr(args, name).isdigit():
                 raise invalid_value("--" + name, getattr(args, name), "an integer >= 0")
+        if args.hosts not in ("0", "2", "3"):
+            raise invalid_value("--hosts", args.hosts, "2 or 3 (namespace hosts), or 0")
         names = [c.strip() for c in (args.cells or ",".join(CELLS)).split(",") if c.strip()]
         for name in names:
             if name not in CELLS:
@@ -108,19 +121,44 @@ def main(argv=None):
 
 def _soak(args, plan):
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="hvdtrain-soak-"))
-    matrix, reports, started = cells(), {}, time.monotonic()
+    if args.hosts == "0":
+        return _cells(args, plan, workdir, None)
+    from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
+
+    why = cannot_make_namespaces()
+    if why:
+        raise HvdtrainError(f"--hosts needs namespace hosts: {why}")
+    with NamespaceHosts(int(args.hosts), os.path.join(workdir, "hosts")) as hosts:
+        return _cells(args, plan, workdir, hosts)
+
+
+def _cells(args, plan, workdir, hosts):
+    # (across hosts a longer job: its faults strike mid-run, and a slowed link leaves more
+    # of it to run)
+    matrix, reports, started = cells(samples=2048 if hosts else 512), {}, time.monotonic()
+    where = ["-np", "2"]
+    if hosts:
+        hostfile = os.path.join(workdir, "hosts.txt")
+        with open(hostfile, "w") as f:
+            f.writelines(f"{a} slots=1\n" for a in hosts.addresses)
+        where = ["--hostfile", hostfile, "--network-interface", "eth0"]
+    where += ["--kinds", args.kinds] if args.kinds else []
     for i, (name, faults) in enumerate(plan.items()):
         backend, command = matrix[name]
         folder = os.path.join(workdir, name)
         os.makedirs(folder, exist_ok=True)
         report = os.path.join(folder, "chaos.json")
-        argv = [sys.executable, "-m", "hvdtrain.launcher.cli", "chaos", "-np", "2",
+        argv = [sys.executable, "-m", "hvdtrain.launcher.cli", "chaos", *where,
                 "--faults", str(faults), "--seed", str(int(args.seed) + i), "--backend",
                 backend, "--json", report, "--workdir", os.path.join(folder, "work"), "--",
                 *command]  # fmt: skip
         print(f"{PROG}: {name}: {faults} faults ...", file=sys.stderr, flush=True)
         with open(os.path.join(folder, "chaos.out"), "w") as out:
             offline = {**os.environ, "HVDTRAIN_OFFLINE": "1"}  # a benchmark never downloads
+            if hosts:  # (from the first host's namespace; `cd` to the cell's folder there)
+                argv = ["sh", "-c", 'cd "$0" && exec "$@"', folder, *argv]
+                argv = hosts.inside(0, argv)
+                offline = hosts.env(HVDTRAIN_OFFLINE="1")
             code = subprocess.run(
                 argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=offline
             ).returncode
@@ -135,7 +173,8 @@ def _soak(args, plan):
               file=sys.stderr, flush=True)  # fmt: skip
     sums = sum_cells(reports)
     out = {**sums, "seconds": round(time.monotonic() - started), "plan": plan,
-           "workdir": workdir, "reports": reports}  # fmt: skip
+           "hosts": hosts.addresses if hosts else None, "workdir": workdir,
+           "reports": reports}  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(f"{PROG}: {sums['faults']} faults in {len(plan)} cells: {sums['survived']} survived, "

@@ -85,16 +85,20 @@ class Fault:
 
 def schedule(faults, seed, kinds=KINDS, np=2, hosts=1):
     """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
-    moments and ranks (and for `kill-host` one of `hosts` other hosts) drawn from the seed,
-    so that every kind comes once in each len(kinds) faults."""
+    moments and ranks (and for a host's kind one of `hosts` other hosts) drawn from the
+    seed, so that every kind comes once in each len(kinds) faults drawn; the link kinds
+    (which the run survives by finishing) after the others."""
     rng = random.Random(seed)
     order = []
     while len(order) < faults:
         block = list(kinds)
         rng.shuffle(block)
         order.extend(block)
+    # A run survives a slowed link by finishing: the link kinds go last, after every fault
+    # that the run must resume from.
+    order = sorted(order[:faults], key=lambda kind: kind in LINK_KINDS)
     out = []
-    for i, kind in enumerate(order[:faults]):
+    for i, kind in enumerate(order):
         fraction = round(rng.random(), 3)
         rank = 0 if kind == "kill-in-checkpoint" else rng.randrange(np)
         host = rng.randrange(max(1, hosts)) if kind in HOST_KINDS else 0
