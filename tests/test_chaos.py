@@ -80,6 +80,12 @@ def test_each_fault_promises_an_end():
     assert chaos.promise("kill-launcher") < chaos.promise("kill-rank", grace=10)
     assert chaos.promise("stop-rank", stall=20) < chaos.promise("stop-rank", stall=60)
     assert chaos.promise("full-disk", expected=100) > 100
+    # a rank waiting on a stopped or cut-off peer: the watchdog's 2 stall times in training,
+    # 12 where the peer may be in a long phase of its own (the start-up, after training)
+    for kind in ("stop-rank", "cut-host"):
+        training = chaos.promise(kind, stall=20, grace=10)
+        for phase in ("start-up", "after training"):
+            assert chaos.promise(kind, stall=20, grace=10, phase=phase) == training + 10 * 20
     assert {k for k in chaos.KINDS if chaos.promise(k) > 0} == set(chaos.KINDS)
 
 

@@ -32,8 +32,8 @@ The faults (`--kinds`, default all that this machine allows):
     kill-host           SIGKILL of every process of the job on one host other than this
                         one, at once (a host's power lost): with -H or --hostfile only
     cut-host            one such host's --network-interface set down (root there) until
-                        after the job's promised end, then up: the job must end naming
-                        the host, and resume once it is back
+                        the job's ranks there ended, then 5-20 s more: the job must end
+                        naming the host, and resume once it is back
     slow-link           one such host's link cut to 10 Mbit/s (`tbf` on its
                         --network-interface, root there) for 5-20 s: the run must finish,
                         on the same weights; the report says how much slower
@@ -286,6 +286,18 @@ class _Chaos:
             while job.proc.poll() is None and not faults.writing_checkpoint(ckpt):
                 time.sleep(0.002)
 
+    def _phase(self, ckpt, before):
+        """(the complete checkpoints, the phase of the run now): `before` those it began with."""
+        newest = complete_checkpoints(ckpt)
+        last = max(self.timeline, key=checkpoint_order) if self.timeline else None
+        if faults.writing_checkpoint(ckpt):
+            return newest, "checkpoint write"
+        if newest == before:
+            return newest, "start-up"
+        if last and newest and checkpoint_order(newest[-1]) >= checkpoint_order(last):
+            return newest, "after training"
+        return newest, "training"
+
     def attempt(self, ckpt, fault):
         """Runs the command once, with `fault` (or none); returns (exit status, record)."""
         self.attempts += 1
@@ -312,15 +324,7 @@ class _Chaos:
         ):  # (kill-in-checkpoint's rank is 0: the writer)
             target = self.ranks.where(job.marker, fault.rank, job.proc)
         if job.proc.poll() is None:
-            newest = complete_checkpoints(ckpt)
-            last = max(self.timeline, key=checkpoint_order) if self.timeline else None
-            phase = "training"
-            if faults.writing_checkpoint(ckpt):
-                phase = "checkpoint write"
-            elif newest == before:
-                phase = "start-up"
-            elif last and newest and checkpoint_order(newest[-1]) >= checkpoint_order(last):
-                phase = "after training"
+            newest, phase = self._phase(ckpt, before)
             epoch, step = faults.checkpoint_position(newest[-1] if newest else None)
             record["promise"] = promise(
                 fault.kind, self.stall, self.grace, expected, phase, fault.seconds
@@ -345,9 +349,9 @@ class _Chaos:
                 elif kind in HOST_KINDS:  # cut-host and the link kinds
                     record["host"] = self.hosts.names[fault.host % len(self.hosts.names)]
                     nic = self.args.network_interface
-                    if kind == "cut-host":  # down past the promised end: the job ends first
-                        down = record["promise"] + fault.seconds
-                        why = self.hosts.cut(record["host"], nic, down)
+                    if kind == "cut-host":  # down until the host's ranks end, then more
+                        most = promise(kind, self.stall, self.grace, expected, "start-up")
+                        why = self.hosts.cut(record["host"], nic, fault.seconds, job.marker, most)
                     else:
                         why = self.hosts.qdisc(record["host"], nic, LINK_KINDS[kind])
                     hit, record["line"] = why is None, why or ""
@@ -381,6 +385,12 @@ class _Chaos:
                 record["line"] = f"the run failed by itself, exit {code}: {last_line(job.output())}"
             record["exit_status"] = code
             return job.proc.returncode, record
+        if fault.kind == "cut-host":  # its promise from where the run is once the link is down
+            while time.monotonic() < injected_at + 1 and job.proc.poll() is None:
+                time.sleep(0.05)
+            phase = self._phase(ckpt, before)[1]
+            record["promise"] = max(record["promise"], promise(
+                fault.kind, self.stall, self.grace, expected, phase))  # fmt: skip
         newest_before = (complete_checkpoints(ckpt) or [None])[-1]
         if fault.kind in LINK_KINDS:
             try:
@@ -393,7 +403,8 @@ class _Chaos:
             record["slower_seconds"] = round(time.monotonic() - job.started - expected, 1)
         record["seconds_to_end"] = round(time.monotonic() - injected_at, 1)
         if fault.kind == "cut-host":  # (its processes are counted once it is back)
-            back = injected_at + 1 + record["promise"] + fault.seconds + faults.BACK_SECONDS
+            most = promise(fault.kind, self.stall, self.grace, expected, "start-up")
+            back = injected_at + 1 + most + fault.seconds + faults.BACK_SECONDS
             gone, record["host_back"] = self.hosts.wait_back(job.marker, record["host"], back)
             left += gone
         record["hang"] = bool(left)

@@ -17,6 +17,7 @@ import subprocess
 
 from hvdtrain.recipe import names
 from hvdtrain.runtime import processes
+from hvdtrain.runtime.watchdog import OTHER_RANKS, OTHER_RANKS_SETUP
 
 __all__ = [
     "KINDS",
@@ -60,7 +61,7 @@ LINK_KINDS = {  # the root qdisc each gives a host's link, for a drawn time (`LI
     # 2 % of its packets lost, the rest 20 ms late (netem: a kernel may lack it)
     "lossy-link": ["netem", "loss", "2%", "delay", "20ms"],
 }
-LINK_SECONDS = (5.0, 20.0)  # and a cut's time past its promised end (`promise`)
+LINK_SECONDS = (5.0, 20.0)  # and a cut's time after the host's ranks ended
 BACK_SECONDS = 120  # a cut host back: what waited there for a gone peer ends (TCP's backoff)
 MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
 STALL_SECONDS = 20
@@ -132,24 +133,27 @@ def promise(
     """The seconds within which every process of the job has ended after a fault of `kind`
     (pure): a rank's death gives the launcher `grace` (hvdtrain-run then ends it, SIGKILL
     10 s later); a launcher killed outright leaves ranks that end within a second
-    (`hvdtrain.runtime.orphan`); a stopped rank ends the job after twice the `stall` time at most
-    (the watchdog's bound), 10 stall times in the start-up (a rank stopped before
-    `hvd.init()`: the others' wait in it is bounded so); a full disk ends the run at its
-    next checkpoint (`expected`: the attempt's expected duration); a link slowed for `slow`
-    seconds lets the run finish within its expected time and those seconds; a host cut off
-    leaves the job to the watchdog (as a stopped rank does), then the launcher's grace and
-    its 5 s ssh probe. 20 s on top of each for start-up and a loaded host."""
+    (`hvdtrain.runtime.orphan`); a stopped rank or a host cut off leaves the others to their
+    watchdog, which ends a rank that waits for the others after twice the `stall` time in
+    training, 12 times in the start-up and after training (the others may still be in a
+    long phase of their own: `watchdog.OTHER_RANKS_SETUP`), then the launcher's grace (and
+    for a cut its 5 s ssh probe); a full disk ends the run at its next checkpoint
+    (`expected`: the attempt's expected duration); a link slowed for `slow` seconds lets
+    the run finish within its expected time and those seconds. 20 s on top of each for
+    start-up and a loaded host."""
     slack = 20
+    waits = OTHER_RANKS_SETUP if phase in ("start-up", "after training") else OTHER_RANKS
+    waits = waits.timeouts * stall
     return {
         "kill-rank": grace + 10 + slack,
         "kill-launcher": 5 + slack,
         "term-launcher": grace + 10 + slack,
-        "stop-rank": (10 if phase == "start-up" else 2) * stall + grace + 10 + slack,
+        "stop-rank": waits + grace + 10 + slack,
         "kill-in-checkpoint": grace + 10 + slack,
         "damage-checkpoint": grace + 10 + slack,
         "full-disk": expected + grace + 10 + slack,
         "kill-host": grace + 10 + slack,
-        "cut-host": (10 if phase == "start-up" else 2) * stall + grace + 10 + 5 + slack,
+        "cut-host": waits + grace + 10 + 5 + slack,
         "slow-link": expected + slow + grace + 10 + slack,
         "lossy-link": expected + slow + grace + 10 + slack,
     }[kind]
@@ -177,6 +181,16 @@ def rank_pid(marker, rank):
         if any(env.get(var) == str(rank) for var in _RANK_VARIABLES) and _is_python(process):
             return process
     return None
+
+
+def ranks_running(marker):
+    """The ranks of the job `marker` whose Python process runs on this host."""
+    out = set()
+    for process, env in job_processes(marker).items():
+        for var in _RANK_VARIABLES:
+            if str(env.get(var, "")).isdigit() and _is_python(process):
+                out.add(int(env[var]))
+    return out
 
 
 def _is_python(process):

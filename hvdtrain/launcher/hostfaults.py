@@ -1,7 +1,7 @@
 """The chaos run's hands on the other hosts of a hostfile: the job's processes on a host
 found and signalled through the ssh that the launch uses, by this module run there
 (`python -m hvdtrain.launcher.hostfaults MARKER [--rank R] [--send SIGNAL]`, or
-`--qdisc NIC SPEC...` and `--cut NIC SECONDS` for its link), so that a
+`--qdisc NIC SPEC...` and `--cut NIC SECONDS MOST` for its link), so that a
 fault strikes a rank wherever it runs and `kill-host` strikes every process of the job on
 one host at once.
 
@@ -11,7 +11,8 @@ one host at once.
     hosts.running(marker)                      # {host: count} of the job's processes left
     hosts.qdisc("10.0.0.2", "eth0", ["tbf", "rate", "10mbit", ...])   # its link slowed
     hosts.qdisc("10.0.0.2", "eth0")            # back to the kernel's default
-    hosts.cut("10.0.0.2", "eth0", 90)          # its link down for 90 s, from a process there
+    hosts.cut("10.0.0.2", "eth0", 9, marker, 300)  # its link down until the job's ranks
+                                               # there end (at most 300 s), then 9 s more
     hosts.wait_back(marker, "10.0.0.2", deadline)   # it answers again, nothing of the job left
     Ranks(hosts).where(marker, 1, proc)        # (host, None) or (None, a process here)
 
@@ -32,7 +33,7 @@ import sys
 import time
 
 from hvdtrain.launcher.doctor import ssh_argv
-from hvdtrain.launcher.faults import LINK_KINDS, MARKER, job_processes, rank_pid
+from hvdtrain.launcher.faults import LINK_KINDS, MARKER, job_processes, rank_pid, ranks_running
 from hvdtrain.launcher.hosts import (
     is_local,
     parse_hosts_arg,
@@ -102,11 +103,13 @@ class Hosts:
         back) without one: None, or why it could not."""
         return self._ask(host, qdisc=[nic, *spec])
 
-    def cut(self, host, nic, seconds=0.0):
-        """`host`'s link `nic` set down in a second, for `seconds`, then up again, by a
-        process left there (ssh cannot reach a host cut off); without `seconds` only the
-        right to do so tried (`ip link set NIC up`): None, or why it could not."""
-        return self._ask(host, cut=[nic, str(seconds)])
+    def cut(self, host, nic, seconds=0.0, marker="", most=0.0):
+        """`host`'s link `nic` set down in a second, by a process left there (ssh cannot
+        reach a host cut off), until the ranks of the job `marker` there have ended (their
+        watchdog ends them) or `most` seconds, then for `seconds` more, then up again;
+        without `seconds` only the right to do so tried (`ip link set NIC up`): None, or
+        why it could not."""
+        return self._ask(host, marker, cut=[nic, f"{seconds:g}", f"{most:g}"])
 
     def wait_back(self, marker, host, deadline):
         """Waits until `host` answers ssh again with nothing of the job left there (what
@@ -257,27 +260,40 @@ def _sbin(program):
     return shutil.which(program, path=path) or program
 
 
-def _cut(nic, seconds):
-    """This host's link `nic` set down in a second for `seconds`, then up, by a process of
-    its own (the ssh that asked is cut too); with no `seconds`, `ip link set NIC up` tried
-    (a no-op that needs the same right): None, or why it could not."""
-    ip = _sbin("ip")
+def _cut(marker, nic, seconds, most):
+    """This host's link `nic` cut (`_hold`) by a process of its own, since the ssh that
+    asked is cut too; with no `seconds`, `ip link set NIC up` only tried (a no-op that
+    needs the same right): None, or why it could not."""
     try:
-        done = subprocess.run([ip, "link", "set", nic, "up"], capture_output=True, text=True,
-                              timeout=30)  # fmt: skip
+        done = subprocess.run([_sbin("ip"), "link", "set", nic, "up"], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
     except OSError as e:
         return f"cannot run ip: {e.strerror or e}"
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
         return f"`ip link set {nic} up` failed: {tail}"
     if seconds > 0:
-        nic_, ip_ = shlex.quote(nic), shlex.quote(ip)
-        script = (f"sleep 1; {ip_} link set {nic_} down; sleep {seconds:g}; "
-                  f"{ip_} link set {nic_} up")  # fmt: skip
-        subprocess.Popen(["sh", "-c", script], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+        argv = [sys.executable, "-m", "hvdtrain.launcher.hostfaults", marker,
+                "--hold", nic, f"{seconds:g}", f"{most:g}"]  # fmt: skip
+        subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return None
+
+
+def _hold(marker, nic, seconds, most):
+    """The link `nic` down a second from now (the ssh that asked has ended by then) until
+    no rank of the job `marker` runs here or `most` seconds, then `seconds` more; then up,
+    whatever happened."""
+    ip = _sbin("ip")
+    time.sleep(1)
+    subprocess.run([ip, "link", "set", nic, "down"], capture_output=True, timeout=30)
+    try:
+        end = time.monotonic() + most
+        while time.monotonic() < end and ranks_running(marker):
+            time.sleep(0.5)
+        time.sleep(seconds)
+    finally:
+        subprocess.run([ip, "link", "set", nic, "up"], capture_output=True, timeout=30)
 
 
 def _qdisc(nic, spec):
@@ -304,10 +320,13 @@ def main(argv=None):
     p.add_argument("--rank", type=int)
     p.add_argument("--send", choices=("KILL", "TERM", "STOP", "CONT"))
     p.add_argument("--qdisc", nargs=argparse.REMAINDER, metavar="NIC [SPEC]")
-    p.add_argument("--cut", nargs=2, metavar=("NIC", "SECONDS"))
+    p.add_argument("--cut", nargs=3, metavar=("NIC", "SECONDS", "MOST"))
+    p.add_argument("--hold", nargs=3, metavar=("NIC", "SECONDS", "MOST"))
     args = p.parse_args(argv)
+    if args.hold:
+        return _hold(args.marker, args.hold[0], float(args.hold[1]), float(args.hold[2]))
     if args.cut:
-        answer = _cut(args.cut[0], float(args.cut[1]))
+        answer = _cut(args.marker, args.cut[0], float(args.cut[1]), float(args.cut[2]))
     elif args.qdisc:
         answer = _qdisc(args.qdisc[0], args.qdisc[1:])
     else:
