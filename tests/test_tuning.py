@@ -175,3 +175,14 @@ def test_a_longer_cycle_where_ranks_exchange_every_h_steps_only():
     assert tuning.horovod_settings(environ, exchanges_rarely=True) == {"HOROVOD_CYCLE_TIME": "1"}
     environ["HOROVOD_CYCLE_TIME"] = "0.5"  # the user's wins
     assert tuning.horovod_settings(environ, exchanges_rarely=True) == {}
+
+
+def test_no_tensor_fusion_under_deterministic_where_the_user_set_none():
+    """Which tensors one fused allreduce holds depends on timing: with 3 ranks or more the
+    order of each sum then moved between runs (two digests from two uninterrupted runs on
+    3 namespace hosts), so `--deterministic` turns fusion off."""
+    environ = {"OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl": "^ofi"}
+    assert tuning.horovod_settings(environ, deterministic=True) == {"HOROVOD_FUSION_THRESHOLD": "0"}
+    assert tuning.horovod_settings(environ) == {}
+    environ["HOROVOD_FUSION_THRESHOLD"] = "1048576"  # the user's wins
+    assert tuning.horovod_settings(environ, deterministic=True) == {}

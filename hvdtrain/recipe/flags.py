@@ -73,7 +73,8 @@ class TrainConfig:
             `checkpoint_dir` holds no usable checkpoint.
         checkpoint_every: also checkpoint every N steps mid-epoch (0: epoch ends only).
         deterministic: deterministic ops and per-step random seeds: a killed and resumed run
-            ends with the same weights as an uninterrupted one (bitwise on CPU).
+            ends with the same weights as an uninterrupted one (bitwise on CPU); Horovod's
+            tensor fusion off.
         metrics_json: rank 0 writes the run's figures here.
         log_dir: TensorBoard logs (rank 0).
         progress: "auto" (a bar on a terminal, else a line every `progress_seconds`), "bar",
@@ -435,7 +436,7 @@ def _add_training_flags(p, d):
         t,
         "deterministic",
         "deterministic ops and per-step seeds: a killed and resumed run "
-        "ends bitwise like an uninterrupted one (CPU)",
+        "ends bitwise like an uninterrupted one (CPU); Horovod's tensor fusion off",
     )
     flag(t, "eval_batch_size", "per-rank batch for evaluation")
     f = p.add_argument_group("files (rank 0 writes them)")

@@ -206,11 +206,12 @@ class Run:
     def setup(self):
         cfg = self.cfg
         ex = exchange.for_config(cfg)  # --sync: how the ranks exchange
-        process.init(threads=cfg.threads, exchanges_rarely=ex.exchanges_rarely)
+        process.init(
+            cfg.threads, exchanges_rarely=ex.exchanges_rarely, deterministic=cfg.deterministic
+        )
         self.bound = process.bound_cores()
         place = datamod.Placement.current()
-        rank = place.rank
-        self.log = get_logger(rank)
+        self.log = get_logger(rank := place.rank)
         # A rank stuck anywhere from here on (building the model, loading the data, in a
         # collective) ends the job: long phases get 10 stall times (50 min by default).
         # Elastic runs watch their training only (a reset restarts the set-up).
@@ -246,9 +247,8 @@ class Run:
                 "calls them at every step",
                 spe,
             )
-        # Horovod: every optimizer the model holds averages its gradients over the ranks,
-        # with the LR x ranks after a warmup (`hvdtrain.recipe.prepare`); the model's own compile
-        # is not called again.
+        # Horovod: every optimizer the model holds averages its gradients over the ranks, with
+        # the LR x ranks after a warmup (`recipe.prepare`); the model's compile is not called again.
         optimizers = prepare.distribute(model, k, cfg, place.size, policy)
         k.configure(model, spe)
         if xla:

@@ -101,7 +101,12 @@ def threads_per_rank(cpu_count, local_size, affinity_count=None):
 
 
 def init(
-    threads=None, pin_gpu=True, comm=None, stall_shutdown_seconds=None, exchanges_rarely=False
+    threads=None,
+    pin_gpu=True,
+    comm=None,
+    stall_shutdown_seconds=None,
+    exchanges_rarely=False,
+    deterministic=False,
 ):
     """Initialises Horovod and this process's devices; call once, before building models.
 
@@ -130,6 +135,8 @@ def init(
             local` and `diloco`: its exchange strategy says so), and Horovod's cycle is
             longer (`hvdtrain.runtime.tuning.EXCHANGE_CYCLE_TIME_MS`); on a CPU-only host each rank
             is then bound to its share of the cores (`hvdtrain.runtime.tuning.cores_for_rank`).
+        deterministic: the same sums in every run (`--deterministic`): Horovod's tensor
+            fusion off (`hvdtrain.runtime.tuning.horovod_settings`).
 
     Returns:
         The GPU index used, or None on a CPU-only host.
@@ -143,7 +150,7 @@ def init(
     if problem:  # before hvd.init(), where Gloo would crash without a word
         raise HvdtrainError(problem)
     os.environ.update(stall_settings(os.environ, stall_shutdown_seconds))  # before hvd.init()
-    settings = tuning.horovod_settings(os.environ, exchanges_rarely=exchanges_rarely)
+    settings = tuning.horovod_settings(os.environ, exchanges_rarely, deterministic)
     os.environ.update(settings)  # cycle time, MPI waits; see there
     before = tuning.thread_ids()
     waiting = _waiting_for_the_others(10 * stall.stall_shutdown_seconds(os.environ))

@@ -81,7 +81,7 @@ def launcher_size(environ):
     return None
 
 
-def horovod_settings(environ, exchanges_rarely=False):
+def horovod_settings(environ, exchanges_rarely=False, deterministic=False):
     """The variables `hvdtrain.init` sets before `hvd.init()`, of those missing from
     `environ` (pure; `environ` is only read): the short cycle only when a launcher started
     more than one rank (a single process has nothing to wait for, and the polling would
@@ -99,8 +99,16 @@ def horovod_settings(environ, exchanges_rarely=False):
     without releasing its lock when called a second time, and the next call waits on it
     forever (a 2-rank job under `horovodrun --mpi` hung 26 minutes in `MPI_Init`,
     2026-11-28, the thread waiting on a lock it held). The BTL serves OFI fabrics under
-    `pml ob1`; TCP and shared memory, what the launchers' `pml ob1` uses, are kept."""
+    `pml ob1`; TCP and shared memory, what the launchers' `pml ob1` uses, are kept.
+
+    With `deterministic` (`--deterministic`), no tensor fusion (HOROVOD_FUSION_THRESHOLD=0):
+    which tensors one fused allreduce holds depends on when each was ready, so the ring's
+    chunks, and with three ranks or more the order of each sum, moved from run to run (3
+    namespace hosts under Gloo, 2026-12-06: two uninterrupted runs, two digests; without
+    fusion, one, and a resume gave it too)."""
     out = {}
+    if deterministic and "HOROVOD_FUSION_THRESHOLD" not in environ:
+        out["HOROVOD_FUSION_THRESHOLD"] = "0"
     if environ.get("HOROVOD_ELASTIC") == "1" and "HOROVOD_CACHE_CAPACITY" not in environ:
         out["HOROVOD_CACHE_CAPACITY"] = "0"
     size = launcher_size(environ)
