@@ -351,6 +351,47 @@ def test_a_rank_that_ends_unheard_still_starts_the_grace():
     ]
 
 
+BACK_BY_THE_END = STUCK_LAUNCHER.replace(
+    '["localhost"], 1))',
+    '["localhost"], 1, probe))',
+).replace(
+    "rank = (",
+    """def probe():  # node2's network cut while the launcher waits, back once it is ended
+    def cmdline(pid):
+        try:
+            return open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            return ""
+    lines = [cmdline(p) for p in os.listdir("/proc") if p.isdigit()]
+    waiting = any("time.sleep(600)" in c and "def probe" not in c for c in lines)
+    return {"node2": "Connection timed out"} if waiting else {}
+rank = (""",
+)
+
+
+def test_a_host_cut_when_a_rank_ended_is_named_though_back_by_the_end():
+    """A chaos run's cut-host under MPI on 3 hosts ended as the launcher still running:
+    the probe after the job found the host back. Asked when the grace starts too, it is
+    named."""
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", BACK_BY_THE_END],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 255, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("hvdtrain-run: lost host node2: it no longer answers ssh (Connection "
+                           "timed out)"), proc.stderr  # fmt: skip
+    assert "still waiting for it 1 s after a rank ended, so hvdtrain-run ended it" in last
+
+
 def test_only_the_launchers_host_leaves_its_last_line(tmp_path, monkeypatch):
     """Ranks of other hosts get the variables too (mpirun -x); where they see the folder
     (a shared /tmp, as the namespace test hosts have), they still leave nothing."""

@@ -74,7 +74,9 @@ def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, 
     whose network is gone. The ranks of this host also leave their last line in a folder
     (`errors.note_ending`), which starts the grace when mpirun forwards nothing.
     `probe()`, called after a failed job, returns {host:
-    why} for the hosts that no longer answer; those are named as lost (exit 255).
+    why} for the hosts that no longer answer; those are named as lost (exit 255). It is
+    also called when the grace starts: a host whose network was cut can answer again by
+    the time the job ends (a chaos run's cut-host, under MPI on 3 hosts), and is named then.
     `elastic_spec`: the job's `ElasticSpec` (see `failures.OutputFilter`).
 
     A rank of this host stopped whole (SIGSTOP, SIGTSTP) for the stall time is ended, and
@@ -88,6 +90,7 @@ def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, 
     in the main thread (the only one Python lets set a handler)."""
     child, pending, timers, ended, notes, stopped = [], [], [], [], [], []
     received = []  # the signals forwarded to the job (a preemption, a kill, Ctrl-C)
+    early, asking = [], []  # `probe()` when a rank began ending, and its thread
     lock, done = threading.Lock(), threading.Event()
     ending_dir = tempfile.mkdtemp(prefix="hvdtrain-run-") if grace and hosts else None
     if ending_dir:
@@ -120,6 +123,9 @@ def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, 
                 timers.append(threading.Timer(delay, end_launcher, (signum,)))
                 timers[-1].daemon = True
                 timers[-1].start()
+            if probe:  # asked now too: a cut host can answer again by the job's end
+                asking.append(threading.Thread(target=lambda: early.append(probe()), daemon=True))
+                asking[-1].start()
 
     def watch_stopped(limit):  # each second, until a rank of this host stays stopped
         since = {}
@@ -241,7 +247,12 @@ def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, 
         line = f"received {received} and passed it to the job, which ended"
     elif watch and code:
         failure = failures.find_failure(watch.seen, hosts)
-        down = probe() if probe and not (failure and failure.exit_code == 255) else {}
+        down = {}
+        if probe and not (failure and failure.exit_code == 255):
+            down = probe()
+            for thread in asking if not down else ():
+                thread.join()  # (bounded: the probe's own timeout)
+                down = early[0] if early else {}
         if down:
             line, code = failures.explain_unanswered(down, hosts, ended and grace), 255
         elif failure:
