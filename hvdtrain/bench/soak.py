@@ -2,7 +2,7 @@
 
     python -m hvdtrain.bench.soak --faults 128 --json soak.json              # the figure
     python -m hvdtrain.bench.soak --faults 14 --cells step-gloo-k2,files-mpi # a few cells
-    python -m hvdtrain.bench.soak --hosts 2 --faults 30 --kinds kill-host,cut-host,slow-link \
+    python -m hvdtrain.bench.soak --hosts 2 --faults 30 --kinds kill-host,cut-host,slow-link \\
         --json soak-hosts.json                                  # across namespace hosts (root)
 
 Each cell is one chaos run (`hvdtrain.launcher.chaos`: an uninterrupted run, then the same
