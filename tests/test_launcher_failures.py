@@ -1,5 +1,8 @@
 """The one line `hvdtrain-run` prints when a job fails, from the launchers' real messages
-(captured from horovodrun 0.28.1 and Open MPI 4.1 on this machine). Pure: no processes."""
+(captured from horovodrun 0.28.1 and Open MPI 4.1 on this machine). Pure, but for a few
+launchers of one Python line (`supervise`)."""
+
+import pytest
 
 from hvdtrain.launcher.failures import OutputFilter, explain, find_failure, rank_hosts
 from hvdtrain.launcher.hosts import Host
@@ -148,8 +151,18 @@ def test_mpirun_signal_exit_status_and_lost_host():
     failure = find_failure(MPI_LOST.splitlines(), HOSTS)
     assert failure.lost_host == "node2"
     assert explain(failure, HOSTS).startswith("lost host node2 (ranks 1, 2): Open MPI lost")
+    assert explain(failure, HOSTS, answers=True).startswith("lost host node2 (ranks 1, 2)")
     failure = find_failure(MPI_PEER_GONE.splitlines(), HOSTS)
     assert (failure.lost_host, failure.exit_code) == ("node2", 255)
+    assert explain(failure, HOSTS).startswith("lost host node2 (ranks 1, 2): Open MPI lost")
+    # The same banner where node2 still answers (this host, or the probe after the job): a
+    # rank's process ended there, not the host (a chaos kill-rank of rank 0 under MPI on 3
+    # hosts was named "lost host" for the launch host itself).
+    assert explain(failure, HOSTS, answers=True) == (
+        "a rank on host node2 (ranks 1, 2) ended without a word: Open MPI's other ranks lost "
+        "their connection to it while the host still answers (the process was killed or "
+        "crashed: a kill, the out-of-memory killer); the job was ended"
+    )
 
 
 # mpirun names the first rank to *exit*: rank 0, which stopped at once because rank 1 failed
@@ -390,6 +403,38 @@ def test_a_host_cut_when_a_rank_ended_is_named_though_back_by_the_end():
     assert last.startswith("hvdtrain-run: lost host node2: it no longer answers ssh (Connection "
                            "timed out)"), proc.stderr  # fmt: skip
     assert "still waiting for it 1 s after a rank ended, so hvdtrain-run ended it" in last
+
+
+PEER_GONE_LAUNCHER = """
+import os, sys
+from hvdtrain.launcher.supervise import run_command
+banner = sys.argv[1]
+launcher = f"import sys; sys.stderr.write({banner!r}); sys.exit(1)"
+down = {"node2": "Connection timed out"} if sys.argv[2] == "down" else {}
+sys.exit(run_command([sys.executable, "-c", launcher], dict(os.environ), ["localhost", "node2"],
+                     30, lambda: down))
+"""
+
+
+@pytest.mark.parametrize("node2", ["answers", "down"])
+def test_a_peers_banner_names_a_lost_rank_where_its_host_answers(node2):
+    """Open MPI's "peer process has unexpectedly disconnected" follows a killed rank as
+    well as a lost host: hvdtrain-run asks the host before it says which."""
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", PEER_GONE_LAUNCHER, MPI_PEER_GONE, node2],
+        env=job_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 255, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    if node2 == "answers":
+        assert last.startswith("hvdtrain-run: a rank on host node2 (rank 1) ended without"), last
+    else:
+        assert last.startswith("hvdtrain-run: lost host node2 (rank 1): it no longer answers"), last
 
 
 def test_only_the_launchers_host_leaves_its_last_line(tmp_path, monkeypatch):

@@ -100,6 +100,10 @@ class Failure:
     code: int | None = None
     signal: int | None = None
     lost_host: str | None = None
+    # `lost_host` from Open MPI's "peer process has unexpectedly disconnected" banner: a
+    # rank's process there ended (a kill, a crash) or the host did; a host that still
+    # answers lost the process only (`explain`'s `answers`).
+    peer: bool = False
     # The rank the launcher named only stopped because another rank ended (it said so); the
     # one that did is not known (it exited without an error line: `sys.exit(7)`).
     consequence: bool = False
@@ -274,7 +278,8 @@ def find_failure(lines, hosts=()):
     found = None
     lost = _LOST.search(text)
     if lost:
-        return Failure(lost_host=(lost.group(1) or lost.group(2)).rstrip(".,"))
+        host = (lost.group(1) or lost.group(2)).rstrip(".,")
+        return Failure(lost_host=host, peer=lost.group(1) is None)
     stall = _STALL_SHUTDOWN.search(text)
     stalled = sorted({int(r) for r in _STALLED.findall(text)}) if stall else []
     signaled = _SIGNALED.search(text)
@@ -364,11 +369,19 @@ def _stuck_not_waiting(found, text):
     return found
 
 
-def explain(failure, hosts=()):
-    """One line on `failure` (from `find_failure`)."""
+def explain(failure, hosts=(), answers=False):
+    """One line on `failure` (from `find_failure`). `answers`: its `lost_host` still
+    answers (this host, or a probe after the job), so a peer's banner lost a process."""
     if failure.lost_host:
         ranks = ranks_on(failure.lost_host, hosts)
         which = f" ({ranks})" if ranks else ""
+        if failure.peer and answers:
+            return (
+                f"a rank on host {failure.lost_host}{which} ended without a word: Open MPI's "
+                "other ranks lost their connection to it while the host still answers (the "
+                "process was killed or crashed: a kill, the out-of-memory killer); the job "
+                "was ended"
+            )
         return (
             f"lost host {failure.lost_host}{which}: Open MPI lost its connection there (the "
             "host went down or its network did); the job was ended. `hvdtrain-run doctor` "

@@ -21,6 +21,7 @@ import time
 
 from hvdtrain.errors import ENDING_DIR_ENV, ENDING_HOST_ENV, HvdtrainError
 from hvdtrain.launcher import failures
+from hvdtrain.launcher.hosts import is_local, this_host_names
 from hvdtrain.launcher.noise import noise_unwanted
 from hvdtrain.launcher.tags import Rejoin
 from hvdtrain.runtime import processes
@@ -248,15 +249,17 @@ def supervise(argv, env, hosts=None, grace=None, probe=None, elastic_spec=None, 
     elif watch and code:
         failure = failures.find_failure(watch.seen, hosts)
         down = {}
-        if probe and not (failure and failure.exit_code == 255):
+        if probe and not (failure and failure.exit_code == 255 and not failure.peer):
             down = probe()
             for thread in asking if not down else ():
                 thread.join()  # (bounded: the probe's own timeout)
                 down = early[0] if early else {}
         if down:
             line, code = failures.explain_unanswered(down, hosts, ended and grace), 255
-        elif failure:
-            line, code = failures.explain(failure, hosts), failure.exit_code or code
+        elif failure:  # a lost host that answers: this one, or one the probe reached
+            here = failure.lost_host and is_local(failure.lost_host, this_host_names())
+            line = failures.explain(failure, hosts, answers=bool(probe or here))
+            code = failure.exit_code or code
         elif ended:
             line = f"the launcher was still running {grace:g} s after a rank ended; ended it"
     if line and output is None:
