@@ -344,19 +344,19 @@ sys.exit(run_command([sys.executable, "-c", launcher], dict(os.environ), ["local
 """
 
 
-def test_a_rank_that_ends_unheard_still_starts_the_grace():
+def _launcher(source, *args):
+    """Runs the Python `source` (a launcher under `supervise`) with `args`; its process."""
     import subprocess
     import sys
 
     from conftest import job_env
 
-    proc = subprocess.run(
-        [sys.executable, "-c", STUCK_LAUNCHER],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = [sys.executable, "-c", source, *args]
+    return subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_a_rank_that_ends_unheard_still_starts_the_grace():
+    proc = _launcher(STUCK_LAUNCHER)
     assert proc.returncode == 128 + 15, proc.stderr  # SIGTERM, after the grace
     assert proc.stderr.splitlines() == [
         "hvdtrain: rank 0 made no progress for 20 s (last: in step 3)",
@@ -386,18 +386,7 @@ def test_a_host_cut_when_a_rank_ended_is_named_though_back_by_the_end():
     """A chaos run's cut-host under MPI on 3 hosts ended as the launcher still running:
     the probe after the job found the host back. Asked when the grace starts too, it is
     named."""
-    import subprocess
-    import sys
-
-    from conftest import job_env
-
-    proc = subprocess.run(
-        [sys.executable, "-c", BACK_BY_THE_END],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _launcher(BACK_BY_THE_END)
     assert proc.returncode == 255, proc.stderr
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("hvdtrain-run: lost host node2: it no longer answers ssh (Connection "
@@ -420,15 +409,7 @@ sys.exit(run_command([sys.executable, "-c", launcher], dict(os.environ), ["local
 def test_a_peers_banner_names_a_lost_rank_where_its_host_answers(node2):
     """Open MPI's "peer process has unexpectedly disconnected" follows a killed rank as
     well as a lost host: hvdtrain-run asks the host before it says which."""
-    import subprocess
-    import sys
-
-    from conftest import job_env
-
-    proc = subprocess.run(
-        [sys.executable, "-c", PEER_GONE_LAUNCHER, MPI_PEER_GONE, node2],
-        env=job_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = _launcher(PEER_GONE_LAUNCHER, MPI_PEER_GONE, node2)
     assert proc.returncode == 255, proc.stderr
     last = proc.stderr.splitlines()[-1]
     if node2 == "answers":
