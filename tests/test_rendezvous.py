@@ -340,8 +340,8 @@ def test_across_hosts_a_host_outside_the_job_is_refused_even_with_the_token(tmp_
         assert address == hosts.addresses[0]
         unpickled = tmp_path / "unpickled"
         probes = [  # from the host outside the job, with the token; from the other, without
-            _probe(address, port, proc.pid, unpickled, token, partial(hosts._in, 2), env),
-            _probe(address, port, proc.pid, unpickled, None, partial(hosts._in, 1), env),
+            _probe(address, port, proc.pid, unpickled, token, partial(hosts.inside, 2), env),
+            _probe(address, port, proc.pid, unpickled, None, partial(hosts.inside, 1), env),
         ]
         text = _refused_and_unchanged(out, probes, unpickled, metrics, reference)
         assert f"from {hosts.addresses[2]}: not one of the job's hosts" in text
