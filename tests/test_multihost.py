@@ -123,43 +123,6 @@ def test_launch_from_python_runs_a_function_of_the_callers_on_both_hosts(hosts, 
     assert '[rank 1]     raise ValueError("no data on this host")' in proc.stderr
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_chaos_on_a_hostfile_strikes_a_rank_on_the_other_host_and_the_host(
-    hosts, backend, tmp_path
-):
-    """`hvdtrain-run chaos --hostfile`: a rank killed on the other host (found and signalled
-    over ssh: the namespace it runs in is not this one's) and that whole host killed; both
-    survived, nothing left on either host, the uninterrupted run's weights at the end."""
-    from hvdtrain.launcher import chaos
-
-    kinds = ("kill-rank", "kill-host")
-    seed = next(s for s in range(100) if chaos.schedule(2, s, kinds, 2, 1)[0].rank == 1
-                and chaos.schedule(2, s, kinds, 2, 1)[0].kind == "kill-rank")  # fmt: skip
-    hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
-    report = tmp_path / "chaos.json"
-    argv = [
-        "hvdtrain-run", "chaos", "--hostfile", str(hostfile), "--network-interface", "eth0",
-        "--backend", backend, "--faults", "2", "--seed", str(seed), "--kinds", ",".join(kinds),
-        "--json", str(report), "--workdir", str(tmp_path / "work"), "--",
-        "python", "-m", "hvdtrain.mnist", "--model", "convnet", "--limit-samples", "2048",
-        "--epochs", "2", "--checkpoint-every", "8",
-    ]  # fmt: skip
-    proc = hosts.run(0, argv, timeout=840, HVDTRAIN_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="2")
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-6000:]
-    r = json.loads(report.read_text())
-    assert r["hosts"] == hosts.addresses, r["hosts"]
-    assert r["faults"] == 2 and r["survived"] == 2 and r["digests_equal"], r
-    assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
-    by_kind = {x["kind"]: x for x in r["records"]}
-    assert by_kind["kill-rank"]["rank"] == 1 and by_kind["kill-rank"]["host"] == hosts.addresses[1]
-    assert by_kind["kill-host"]["host"] == hosts.addresses[1]
-    assert f"kill-host (host {hosts.addresses[1]})" in text
-    assert f"kill-rank (rank 1 on {hosts.addresses[1]})" in text
-
-
 def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo", more=()):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addresses))
@@ -182,40 +145,52 @@ def _qdisc(hosts, i):
 
 
 @pytest.mark.timeout(900)
-def test_chaos_slows_the_other_hosts_link_and_the_run_finishes_on_its_weights(hosts, tmp_path):
-    """slow-link: host 1's link at 10 Mbit/s (tbf) for a drawn time, then its own qdisc
-    back; the run goes on to its end, the uninterrupted weights, and says how much slower."""
-    proc, text, r = _chaos_on_hosts(hosts, tmp_path, "slow-link")
+def test_chaos_on_a_hostfile_under_mpi_strikes_a_rank_on_the_other_host_and_the_host(
+    hosts, tmp_path
+):
+    """`hvdtrain-run chaos --hostfile` under MPI: a rank killed on the other host (found and
+    signalled over ssh: the namespace it runs in is not this one's) and that whole host
+    killed; both survived, nothing left on either host, the uninterrupted run's weights."""
+    kinds = "kill-rank,kill-host"  # seed 0: first the kill-rank, on rank 1
+    proc, text, r = _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=2, backend="mpi")
     assert proc.returncode == 0, text[-6000:]
-    assert r["faults"] == 1 and r["survived"] == 1 and r["digests_equal"], r
+    assert r["hosts"] == hosts.addresses, r["hosts"]
+    assert r["faults"] == 2 and r["survived"] == 2 and r["digests_equal"], r
     assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
-    (record,) = r["records"]
-    assert record["host"] == hosts.addresses[1] and record["exit_status"] == 0, record
-    # (the link stays slow for its drawn 5-20 s or to the run's end, whichever comes first)
-    assert record["injected"] and 5 <= record["link_seconds"] <= 20, record
-    assert "slower_seconds" in record and record["seconds_to_end"] <= record["promise"], record
-    assert "against the uninterrupted run)" in text
-    assert "tbf" not in _qdisc(hosts, 1)  # freed
+    by_kind = {x["kind"]: x for x in r["records"]}
+    assert by_kind["kill-rank"]["rank"] == 1 and by_kind["kill-rank"]["host"] == hosts.addresses[1]
+    assert by_kind["kill-host"]["host"] == hosts.addresses[1]
+    assert f"kill-host (host {hosts.addresses[1]})" in text
+    assert f"kill-rank (rank 1 on {hosts.addresses[1]})" in text
 
 
 @pytest.mark.timeout(900)
-def test_chaos_cuts_the_other_host_off_the_job_ends_naming_it_and_resumes_once_back(
-    hosts, tmp_path
-):
-    """cut-host: host 1's link set down (by a process there) past the promised end: the
-    job ends naming the host within the promise, the host answers again with nothing of the
-    job left, and the resumed run ends on the uninterrupted weights. (Gloo here; under MPI
-    the same passed by hand, 2026-12-06: one backend per kind keeps the slow suite short.)"""
+def test_chaos_on_a_hostfile_under_gloo_kills_cuts_and_slows_the_other_host(hosts, tmp_path):
+    """The same under Gloo, one run with every host-level kind (one uninterrupted run for
+    them all): the rank on the other host killed, the host killed; its link set down (by a
+    process there) past the promised end: the job ends naming the host within the promise,
+    the host answers again with nothing of the job left, the resume goes on; last its link
+    at 10 Mbit/s (tbf) for a drawn time, then its own qdisc back: the run goes on to its end
+    and says how much slower. The uninterrupted weights at the end. (cut-host under MPI
+    passed by hand, 2026-12-06, and in the soaks across hosts: docs/fault-tolerance.md.)"""
+    kinds = "kill-rank,kill-host,cut-host,slow-link"  # seed 0: the cut first, the kill on rank 1
     more = ["--stall-seconds", "10"]
-    proc, text, r = _chaos_on_hosts(hosts, tmp_path, "cut-host", seed=3, more=more)
+    proc, text, r = _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=4, more=more)
     assert proc.returncode == 0, text[-6000:]
-    assert r["faults"] == 1 and r["survived"] == 1 and r["digests_equal"], r
+    assert r["faults"] == 4 and r["survived"] == 4 and r["digests_equal"], r
     assert r["hangs"] == r["left_behind"] == r["tracebacks"] == 0, r
-    (record,) = r["records"]
-    assert record["host"] == hosts.addresses[1] and record["host_back"], record
-    assert record["exit_status"] != 0 and hosts.addresses[1] in record["line"], record
-    assert record["seconds_to_end"] <= record["promise"], record
-    assert f"cut-host (host {hosts.addresses[1]})" in text
+    by_kind = {x["kind"]: x for x in r["records"]}
+    assert {x["host"] for x in r["records"]} == {hosts.addresses[1]}, r["records"]
+    assert by_kind["kill-rank"]["rank"] == 1
+    cut, slow = by_kind["cut-host"], by_kind["slow-link"]
+    assert cut["host_back"] and cut["exit_status"] != 0 and hosts.addresses[1] in cut["line"], cut
+    assert cut["seconds_to_end"] <= cut["promise"], cut
+    assert slow["exit_status"] == 0 and slow["injected"] and 5 <= slow["link_seconds"] <= 20, slow
+    assert "slower_seconds" in slow and slow["seconds_to_end"] <= slow["promise"], slow
+    for words in ("kill-host (host {})", "kill-rank (rank 1 on {})", "cut-host (host {})"):
+        assert words.format(hosts.addresses[1]) in text
+    assert "against the uninterrupted run)" in text
+    assert "tbf" not in _qdisc(hosts, 1)  # freed
     assert "state UP" in subprocess.run(
         ["ip", "netns", "exec", hosts.names[1], "ip", "link", "show", "eth0"],
         capture_output=True, text=True, timeout=30,
