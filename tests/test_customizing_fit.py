@@ -381,6 +381,28 @@ def test_array_data_takes_dicts_tuples_no_labels_and_weights_sharded_together():
     assert data.num_samples == n and len(next(iter(data.eval_dataset(4, _place())))) == 3
 
 
+def test_inputs_and_labels_given_as_one_tuple_fail_in_one_line_that_says_so():
+    """`ArrayData((x, y))` (tf.data's habit) gives Keras two inputs and no labels: the
+    error Keras raises in the first step is kept in a line that says what to write."""
+    import keras
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, "softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return model
+
+    x, y = np.zeros((16, 4), "float32"), np.zeros(16, "int64")
+    with pytest.raises(HvdtrainError) as caught:
+        hvdtrain.fit(build, hvdtrain.ArrayData((x, y)), epochs=1, batch_size=8)
+    text = str(caught.value)
+    assert "x, a tuple of 2 arrays with no y (" in text and "pass ArrayData(x, y)" in text
+    assert "\n" not in text
+    assert hvdtrain.ArrayData((x, y)).explain(ValueError("v")) is not None
+    assert hvdtrain.ArrayData(x, y).explain(ValueError("v")) is None  # labels given
+    assert hvdtrain.ArrayData((x, x)).explain(ValueError("v")) is not None
+    assert hvdtrain.ArrayData(x).explain(ValueError("v")) is None  # one input, no labels
+
+
 def _place():
     from hvdtrain.data import Placement
 

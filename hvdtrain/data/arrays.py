@@ -15,7 +15,7 @@ from hvdtrain.data.base import (
     structure,
     train_dataset,
 )
-from hvdtrain.errors import invalid_value
+from hvdtrain.errors import HvdtrainError, invalid_value
 
 __all__ = ["ArrayData"]
 
@@ -82,6 +82,18 @@ class ArrayData(Data):
             self.source,
             self.notice,
             None if self.sample_weight is None else first(self.sample_weight),
+        )
+
+    def explain(self, error):
+        """A training error where x is a tuple of 2 or 3 and y is None: most likely
+        `ArrayData((x, y))`, Keras reading both as the model's inputs."""
+        if self.y is not None or not isinstance(self.x, tuple) or len(self.x) not in (2, 3):
+            return None
+        return HvdtrainError(
+            f"training failed on ArrayData's x, a tuple of {len(self.x)} arrays with no y "
+            f"({type(error).__name__}: {error}): Keras takes every array of x as a model "
+            "input; for inputs and labels pass ArrayData(x, y) (and sample weights as "
+            "sample_weight=), as Keras's fit(x, y)"
         )
 
     def describe(self):
