@@ -401,6 +401,9 @@ def test_inputs_and_labels_given_as_one_tuple_fail_in_one_line_that_says_so():
     assert hvdtrain.ArrayData(x, y).explain(ValueError("v")) is None  # labels given
     assert hvdtrain.ArrayData((x, x)).explain(ValueError("v")) is not None
     assert hvdtrain.ArrayData(x).explain(ValueError("v")) is None  # one input, no labels
+    # Other errors of a model of two inputs and no labels stay as they are.
+    assert hvdtrain.ArrayData((x, x)).explain(RuntimeError("a rank was lost")) is None
+    assert hvdtrain.ArrayData((x, x)).explain(HvdtrainError("diverged")) is None
 
 
 def _place():
