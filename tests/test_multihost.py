@@ -139,9 +139,15 @@ def _chaos_on_hosts(hosts, tmp_path, kinds, seed=0, faults=1, backend="gloo", mo
     return proc, text, json.loads(report.read_text()) if report.exists() else None
 
 
+def _on(hosts, i, *argv):
+    """What argv prints, run on namespace host i."""
+    return subprocess.run(
+        hosts.inside(i, list(argv)), capture_output=True, text=True, timeout=30
+    ).stdout
+
+
 def _qdisc(hosts, i):
-    argv = ["ip", "netns", "exec", hosts.names[i], "tc", "qdisc", "show", "dev", "eth0"]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    return _on(hosts, i, "tc", "qdisc", "show", "dev", "eth0")
 
 
 @pytest.mark.timeout(900)
@@ -191,10 +197,7 @@ def test_chaos_on_a_hostfile_under_gloo_kills_cuts_and_slows_the_other_host(host
         assert words.format(hosts.addresses[1]) in text
     assert "against the uninterrupted run)" in text
     assert "tbf" not in _qdisc(hosts, 1)  # freed
-    assert "state UP" in subprocess.run(
-        ["ip", "netns", "exec", hosts.names[1], "ip", "link", "show", "eth0"],
-        capture_output=True, text=True, timeout=30,
-    ).stdout  # fmt: skip
+    assert "state UP" in _on(hosts, 1, "ip", "link", "show", "eth0")
 
 
 @pytest.mark.timeout(900)

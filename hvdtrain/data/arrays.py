@@ -89,9 +89,8 @@ class ArrayData(Data):
         `ArrayData((x, y))`, Keras reading both as the model's inputs. Only Keras's kinds
         of error for a wrong structure (ValueError, TypeError): a model of two inputs and no
         labels keeps every other error as it is."""
-        if self.y is not None or not isinstance(self.x, tuple) or len(self.x) not in (2, 3):
-            return None
-        if isinstance(error, HvdtrainError) or not isinstance(error, ValueError | TypeError):
+        paired = self.y is None and isinstance(self.x, tuple) and len(self.x) in (2, 3)
+        if not paired or not isinstance(error, ValueError | TypeError):
             return None
         return HvdtrainError(
             f"training failed on ArrayData's x, a tuple of {len(self.x)} arrays with no y "
