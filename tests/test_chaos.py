@@ -12,7 +12,7 @@ import uuid
 import pytest
 from conftest import BIN, job_env, worker
 
-from hvdtrain.launcher import chaos, chaosreport, cli, faults
+from hvdtrain.launcher import chaos, chaoselastic, chaosreport, cli, faults
 
 MNIST = ["python", "-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512"]
 
@@ -26,6 +26,8 @@ def test_the_schedule_is_drawn_from_the_seed_and_takes_every_kind_in_turn():
     assert all(2 <= kinds.count(k) <= 3 for k in chaos.KINDS), kinds  # each in turn
     links = [i for i, k in enumerate(kinds) if k in ("slow-link", "lossy-link")]
     assert links == list(range(len(kinds) - len(links), len(kinds))), kinds  # the last ones
+    cuts = [i for i, k in enumerate(kinds) if k == "cut-host"]  # just before them
+    assert cuts == list(range(links[0] - len(cuts), links[0])), kinds
     assert [f.index for f in first] == list(range(1, 2 * n + 3))
     assert {f.host for f in first if f.kind in faults.HOST_KINDS} <= {0, 1, 2}
     timed = ("slow-link", "lossy-link", "cut-host")
@@ -74,6 +76,11 @@ def test_the_command_gets_this_runs_folders_and_determinism():
     assert launch == ["/v/python", "-m", "hvdtrain.launcher.cli", "-q", "-np", "2",
                       "--backend", "gloo", "--", "python", "t.py"]  # fmt: skip
     assert "--backend" not in chaos.launch_command("/v/python", 2, None, ["t"])
+    elastic = chaos.job_command(["python", "t.py"], "/w/ck", "/w/m.json", ("--elastic",))
+    assert elastic[-1] == "--elastic" and "--deterministic" not in elastic
+    assert chaoselastic.launch_options(["-H", "a:1,b:1"]) == [
+        "-H", "a:1,b:1", "--elastic", "--min-np", "1", "--blacklist-cooldown-range", "5", "10",
+    ]  # fmt: skip
 
 
 def test_each_fault_promises_an_end():
@@ -156,6 +163,15 @@ def test_totals_table_and_lines_say_what_failed():
         (
             ["chaos", "-H", "nodeb:1,nodec:1", "--kinds", "cut-host", "--", "python", "t.py"],
             "cannot inject cut-host: it needs --network-interface",
+        ),
+        (["chaos", "--elastic", "--", "python", "t.py"], "--elastic: chaos loses a host other"),
+        (
+            ["chaos", "--elastic", "-H", "nodeb:1", "--backend", "mpi", "--", "python", "t.py"],
+            "`--backend`: received 'mpi'; expected gloo (or none) under --elastic",
+        ),
+        (
+            ["chaos", "--elastic", "-H", "nodeb:1", "--kinds", "cut-host", "--", "python", "t"],
+            "`--kinds`: received 'cut-host'; expected kill-host under --elastic",
         ),
     ],
 )

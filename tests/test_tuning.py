@@ -184,5 +184,7 @@ def test_no_tensor_fusion_under_deterministic_where_the_user_set_none():
     environ = {"OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl": "^ofi"}
     assert tuning.horovod_settings(environ, deterministic=True) == {"HOROVOD_FUSION_THRESHOLD": "0"}
     assert tuning.horovod_settings(environ) == {}
+    elastic = {**environ, "HOROVOD_ELASTIC": "1"}  # (a re-formation with it off: SIGSEGV)
+    assert tuning.horovod_settings(elastic, deterministic=True) == {"HOROVOD_CACHE_CAPACITY": "0"}
     environ["HOROVOD_FUSION_THRESHOLD"] = "1048576"  # the user's wins
     assert tuning.horovod_settings(environ, deterministic=True) == {}

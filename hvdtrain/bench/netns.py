@@ -145,8 +145,14 @@ class NamespaceHosts:
             for j in range(self.count):
                 self.run(i, ["ssh", self.addresses[j], "true"], timeout=30, retries=20)
 
-    def start_sshd(self, i):
-        """Starts host i's sshd (again, after a test killed the host's processes)."""
+    def start_sshd(self, i, prefix=()):
+        """Starts host i's sshd (again, after a test killed the host's processes; the one
+        running ended first), its command after `prefix`: `setpriv --bounding-set
+        -net_admin --` makes a host whose sessions may not touch its network, as a user
+        without root there."""
+        if self._sshd[i] is not None and self._sshd[i].poll() is None:
+            self._sshd[i].kill()
+            self._sshd[i].wait(timeout=30)
         w = self.workdir
         sshd = [
             "/usr/sbin/sshd",
@@ -177,7 +183,10 @@ class NamespaceHosts:
         ]
         log = open(f"{w}/sshd{i}.log", "a")  # noqa: SIM115 (closed with the process)
         self._sshd[i] = subprocess.Popen(
-            self.inside(i, sshd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.inside(i, [*prefix, *sshd]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def inside(self, i, argv):

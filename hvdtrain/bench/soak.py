@@ -28,6 +28,7 @@ passed to every cell's chaos.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,8 @@ def main(argv=None):
         for name in names:
             if name not in CELLS:
                 raise invalid_value("--cells", name, "cells among " + ", ".join(CELLS))
+        # A SIGTERM ends the cell's chaos run (its jobs too), then the namespace hosts.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         return _soak(args, spread(int(args.faults), names))
     except HvdtrainError as e:
         exit_with_error(PROG, e)
@@ -159,9 +162,14 @@ def _cells(args, plan, workdir, hosts):
                 argv = ["sh", "-c", 'cd "$0" && exec "$@"', folder, *argv]
                 argv = hosts.inside(0, argv)
                 offline = hosts.env(HVDTRAIN_OFFLINE="1")
-            code = subprocess.run(
-                argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=offline
-            ).returncode
+            chaos = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+                                     env=offline)  # fmt: skip
+            try:
+                code = chaos.wait()
+            except SystemExit:  # the soak stopped: chaos ends its jobs, the hosts go after
+                chaos.terminate()
+                chaos.wait(120)
+                raise
         try:
             with open(report) as f:
                 reports[name] = json.load(f)

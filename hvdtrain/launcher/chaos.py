@@ -5,7 +5,7 @@ Usage::
     hvdtrain-run chaos -np 2 --faults 7 [--seed S] [--backend B] [--kinds K,K,...]
         [--stall-seconds S] [--json PATH] [--workdir DIR]
         [-H HOST:SLOTS,... | --hostfile FILE] [--network-interface NIC]
-        [--ssh-port P] [--ssh-identity-file F] -- python train.py ARGS
+        [--ssh-port P] [--ssh-identity-file F] [--elastic] -- python train.py ARGS
 
 It runs your command (a script on `hvdtrain.ArgumentParser`) twice under `hvdtrain-run`:
 once uninterrupted, then again while it injects `--faults` faults, one per attempt, at
@@ -47,6 +47,11 @@ runs it, through the same ssh the launch uses: there `python -m hvdtrain.launche
 checkpoint folder (in `--workdir`) must be one that every host's rank 0 reaches: rank 0
 writes it, so a shared folder or rank 0 on this host.
 
+With `--elastic` (and another host) the job runs under Horovod Elastic instead: one job,
+which re-forms at fewer ranks when a host is lost (`kill-host`, the only kind) and takes
+it back after a cooldown, its final test accuracy compared with the uninterrupted elastic
+run's within a margin (`hvdtrain.launcher.chaoselastic`).
+
 After each fault it checks what a user cannot see: that every process of the job ended
 (its processes carry `HVDTRAIN_CHAOS_JOB` in their environment) within the fault's
 promised time (`promise`), that no Python traceback was printed, and that the newest
@@ -68,11 +73,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
-from hvdtrain.launcher import faults
+from hvdtrain.launcher import chaoselastic, faults
+from hvdtrain.launcher.chaosjob import Job, digest, job_command, launch_command
 from hvdtrain.launcher.chaosreport import (
     digest_line,
     fault_record,
@@ -85,7 +90,6 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     HOST_KINDS,
     KINDS,
     LINK_KINDS,
-    MARKER,
     Fault,
     checkpoint_order,
     complete_checkpoints,
@@ -96,7 +100,6 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
 )
 from hvdtrain.launcher.hostfaults import HostUnreachable, Ranks, cannot, job_hosts
 from hvdtrain.launcher.hosts import MAX_PROCESSES
-from hvdtrain.runtime import processes
 from hvdtrain.runtime.numbers import whole_number_type
 
 __all__ = ["KINDS", "Fault", "schedule", "promise", "moment", "job_processes",
@@ -106,103 +109,12 @@ PROG = "hvdtrain-run chaos"
 _TRACEBACK = "Traceback (most recent call last)"
 
 
-def _flag_value(argv, flag):
-    """The index of `flag`'s value in `argv` (`--flag V` or `--flag=V`), or None."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return i + 1
-        if arg.startswith(flag + "="):
-            return i
-    return None
-
-
-def job_command(command, checkpoint_dir, metrics_json):
-    """The user's `command` with this run's `--checkpoint-dir` and `--metrics-json` (in
-    place of theirs, if given) and `--deterministic` where missing (pure)."""
-    argv = list(command)
-    for flag, value in (("--checkpoint-dir", checkpoint_dir), ("--metrics-json", metrics_json)):
-        i = _flag_value(argv, flag)
-        if i is None:
-            argv += [flag, value]
-        elif argv[i].startswith(flag + "="):
-            argv[i] = f"{flag}={value}"
-        else:
-            argv[i] = value
-    if "--deterministic" not in argv:
-        argv.append("--deterministic")
-    return argv
-
-
-def launch_command(python, np, backend, command, launch=()):
-    """hvdtrain-run's command line for `command`, with its options `launch` (the hosts,
-    the interface, ssh's) (pure)."""
-    argv = [python, "-m", "hvdtrain.launcher.cli", "-q", "-np", str(np), *launch]
-    if backend:
-        argv += ["--backend", backend]
-    return [*argv, "--", *command]
-
-
-class _Job:
-    """One run of the command under hvdtrain-run, its output in `log`."""
-
-    instances = []  # every job of this process: ended with chaos itself (`run`)
-
-    def __init__(self, argv, env, log, hosts=None):
-        _Job.instances.append(self)
-        self.marker = uuid.uuid4().hex
-        self.log = log
-        self.hosts = hosts  # `Hosts`: the job's other hosts, or None
-        self.started = time.monotonic()
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                env={**env, MARKER: self.marker},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def ended(self):
-        if self.proc.poll() is None or job_processes(self.marker):
-            return False
-        return not (self.hosts and self.hosts.running(self.marker))
-
-    def wait_end(self, deadline):
-        """Waits until every process of the job, on every host, ended or `deadline`
-        (monotonic); returns the processes it then ended with SIGKILL (left behind)."""
-        while time.monotonic() < deadline:
-            if self.ended():
-                return 0
-            time.sleep(0.1 if self.hosts is None else 0.5)
-        left = job_processes(self.marker)
-        processes.send_all(left, signal.SIGKILL)
-        left = len(left)
-        for host in self.hosts.running(self.marker) if self.hosts else ():
-            try:
-                left += len(self.hosts.send(self.marker, host, "KILL"))
-            except HostUnreachable:
-                pass
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        gone = time.monotonic() + 10  # (a SIGKILL is delivered when the process next runs)
-        while job_processes(self.marker) and time.monotonic() < gone:
-            time.sleep(0.05)
-        return left
-
-    def output(self):
-        with open(self.log, errors="replace") as f:
-            return f.read()
-
-
-def _digest(metrics_json):
-    try:
-        with open(metrics_json) as f:
-            return json.load(f)["ranks"][0]["weights_digest"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
+def _env(args):
+    """The jobs' environment: this one's, with chaos's stall time and launcher grace."""
+    env = dict(os.environ)
+    env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
+    env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(faults.GRACE_SECONDS))
+    return env
 
 
 class _Chaos:
@@ -210,10 +122,7 @@ class _Chaos:
         self.args, self.kinds, self.workdir = args, kinds, workdir
         self.hosts = hosts  # `Hosts`: the job's hosts other than this one, or None
         self.ranks = Ranks(hosts)  # where each rank runs
-        env = dict(os.environ)
-        env.setdefault("HVDTRAIN_STALL_SHUTDOWN_SECONDS", str(args.stall_seconds))
-        env.setdefault("HVDTRAIN_LAUNCHER_GRACE_SECONDS", str(faults.GRACE_SECONDS))
-        self.env = env
+        self.env = env = _env(args)
         self.stall = float(env["HVDTRAIN_STALL_SHUTDOWN_SECONDS"])
         self.grace = float(env["HVDTRAIN_LAUNCHER_GRACE_SECONDS"])
         self.timeline = {}  # the uninterrupted run: {checkpoint name: seconds after start}
@@ -231,7 +140,7 @@ class _Chaos:
     def reference(self):
         ckpt = os.path.join(self.workdir, "uninterrupted")
         argv, metrics = self._argv("uninterrupted", ckpt)
-        job = _Job(argv, self.env, os.path.join(self.workdir, "uninterrupted.log"), self.hosts)
+        job = Job(argv, self.env, os.path.join(self.workdir, "uninterrupted.log"), self.hosts)
         while job.proc.poll() is None:
             for name in complete_checkpoints(ckpt):
                 self.timeline.setdefault(name, time.monotonic() - job.started)
@@ -245,10 +154,10 @@ class _Chaos:
                 f"the uninterrupted run failed (exit {job.proc.returncode}: "
                 f"{last_line(job.output()) or 'see ' + job.log}); fix it before the chaos run"
             )
-        digest = _digest(metrics)
-        if digest is None:
+        reference = digest(metrics)
+        if reference is None:
             raise HvdtrainError(f"the uninterrupted run wrote no weights digest to {metrics}")
-        return digest
+        return reference
 
     def _estimates(self):
         """(start-up, seconds between checkpoints) of the uninterrupted run."""
@@ -305,7 +214,7 @@ class _Chaos:
         before = complete_checkpoints(ckpt)
         resumed_from = before[-1] if before else None
         log = os.path.join(self.workdir, f"chaos-{self.attempts}.log")
-        job = _Job(argv, self.env, log, self.hosts)
+        job = Job(argv, self.env, log, self.hosts)
         if fault is None:
             job.proc.wait()
             left = job.wait_end(time.monotonic() + 30)
@@ -467,6 +376,11 @@ def _parse(argv):
     p.add_argument("--ssh-port", metavar="P", help="as hvdtrain-run's",
                    type=whole_number_type("--ssh-port", maximum=65535))  # fmt: skip
     p.add_argument("--ssh-identity-file", metavar="FILE", help="as hvdtrain-run's")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="hosts lost and back under Horovod Elastic (see chaoselastic)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
     p.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: a new temp)")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -492,8 +406,10 @@ def _exit_on_sigterm(signum, frame):
 
 def run(args):
     """The chaos run of parsed `args`; returns the exit status."""
-    kinds = args.kinds or KINDS
     hosts = job_hosts(args)
+    if args.elastic:
+        chaoselastic.check(args, args.kinds, hosts)
+    kinds = args.kinds or (chaoselastic.KINDS if args.elastic else KINDS)
     for kind in HOST_KINDS:
         why = cannot(kind, hosts, args.network_interface) if kind in kinds else None
         if why and args.kinds:
@@ -519,10 +435,13 @@ def run(args):
     # process of the job left running, no tmpfs left mounted over the folder.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        ok = _run(args, kinds, workdir, ckpt, hosts)
+        if args.elastic:
+            ok = chaoselastic.run(args, workdir, hosts, _env(args), PROG)
+        else:
+            ok = _run(args, kinds, workdir, ckpt, hosts)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for job in _Job.instances:
+        for job in Job.instances:
             job.wait_end(0)  # (a job already ended: nothing to do)
         if mounted:
             subprocess.run(["umount", "-l", ckpt], capture_output=True, timeout=30)
@@ -553,7 +472,7 @@ def _run(args, kinds, workdir, ckpt, hosts):
                 f"{PROG}: the last run (no fault) failed, exit {code}: {last['line']}", flush=True
             )
     if code == 0:
-        final = _digest(os.path.join(workdir, "chaos.metrics.json"))
+        final = digest(os.path.join(workdir, "chaos.metrics.json"))
     sums = totals(records, final is not None and final == reference)
     print(table(records), flush=True)
     verdict = digest_line(reference, final)

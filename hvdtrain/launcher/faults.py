@@ -87,17 +87,18 @@ class Fault:
 def schedule(faults, seed, kinds=KINDS, np=2, hosts=1):
     """The `faults` faults drawn from `seed` (pure): the `kinds` in turn, in an order,
     moments and ranks (and for a host's kind one of `hosts` other hosts) drawn from the
-    seed, so that every kind comes once in each len(kinds) faults drawn; the link kinds
-    (which the run survives by finishing) after the others."""
+    seed, so that every kind comes once in each len(kinds) faults drawn; the kinds that a
+    run may survive by finishing last: `cut-host`, then the link kinds."""
     rng = random.Random(seed)
     order = []
     while len(order) < faults:
         block = list(kinds)
         rng.shuffle(block)
         order.extend(block)
-    # A run survives a slowed link by finishing: the link kinds go last, after every fault
-    # that the run must resume from.
-    order = sorted(order[:faults], key=lambda kind: kind in LINK_KINDS)
+    # A run survives a slowed link by finishing, and often a cut too (the job ends once its
+    # ranks there are gone, or finishes first): those kinds go last, after every fault that
+    # the run must resume from, so that a run that finished leaves none of those undone.
+    order = sorted(order[:faults], key=lambda kind: (kind in LINK_KINDS, kind == "cut-host"))
     out = []
     for i, kind in enumerate(order):
         fraction = round(rng.random(), 3)

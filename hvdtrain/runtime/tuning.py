@@ -105,11 +105,15 @@ def horovod_settings(environ, exchanges_rarely=False, deterministic=False):
     which tensors one fused allreduce holds depends on when each was ready, so the ring's
     chunks, and with three ranks or more the order of each sum, moved from run to run (3
     namespace hosts under Gloo, 2026-12-06: two uninterrupted runs, two digests; without
-    fusion, one, and a resume gave it too)."""
+    fusion, one, and a resume gave it too). Not in an elastic job: Horovod 0.28.1 crashes
+    there (SIGSEGV in `hvd.init`) when it re-forms the job after a lost worker with fusion
+    off (2 namespace hosts, 2026-12-06: every try, with HOROVOD_FUSION_THRESHOLD 0 or 1;
+    none with fusion on), and a re-formed job does not repeat bit for bit anyway."""
     out = {}
-    if deterministic and "HOROVOD_FUSION_THRESHOLD" not in environ:
+    elastic = environ.get("HOROVOD_ELASTIC") == "1"
+    if deterministic and not elastic and "HOROVOD_FUSION_THRESHOLD" not in environ:
         out["HOROVOD_FUSION_THRESHOLD"] = "0"
-    if environ.get("HOROVOD_ELASTIC") == "1" and "HOROVOD_CACHE_CAPACITY" not in environ:
+    if elastic and "HOROVOD_CACHE_CAPACITY" not in environ:
         out["HOROVOD_CACHE_CAPACITY"] = "0"
     size = launcher_size(environ)
     if size and size > 1 and "HOROVOD_CYCLE_TIME" not in environ:
