@@ -278,7 +278,9 @@ def test_the_soak_deals_its_faults_over_the_matrix_and_sums_the_cells():
     from hvdtrain.bench import soak
 
     matrix = soak.cells("/repo")
-    assert len(matrix) == 16 and set(matrix) == set(soak.CELLS)
+    assert len(matrix) == 18 and set(matrix) == set(soak.CELLS)
+    backend, command = matrix["elastic-gloo-k3"]
+    assert backend == "gloo" and "--commit-every" in command and command[-1] == "3"
     backend, command = matrix["diloco-mpi-k3"]
     assert backend == "mpi" and command[-6:] == ("--sync", "diloco", "--sync-every", "4",
                                                  "--keras", "3")  # fmt: skip
@@ -286,17 +288,19 @@ def test_the_soak_deals_its_faults_over_the_matrix_and_sums_the_cells():
     longer = soak.cells("/repo", samples=2048)["step-gloo-k2"][1]  # (across hosts)
     assert longer[longer.index("--limit-samples") + 1] == "2048"
     assert matrix["pydataset-mpi"][1][2] == "hvdtrain.bench.pydataset_job"
-    plan = soak.spread(100, list(soak.CELLS))
+    plan = soak.spread(100, list(soak.CELLS)[:16])
     assert sum(plan.values()) == 100 and set(plan.values()) == {6, 7}
     assert soak.spread(2, ["a", "b", "c"]) == {"a": 1, "b": 1}
     one = {"faults": 2, "survived": 2, "hangs": 0, "left_behind": 0, "tracebacks": 0,
            "checkpoints_lost": 0, "not_injected": 0, "digests_equal": True,
            "records": [_record(1, "kill-rank"),
                        _record(2, "stop-rank", survived=False)]}  # fmt: skip
-    sums = soak.sum_cells({"a": one, "b": {**one, "digests_equal": False}, "c": None})
-    assert sums["faults"] == 4 and sums["digests_equal"] == 1 and sums["cells"] == 3
+    elastic = {**one, "digests_equal": None, "accuracy_within_margin": True}
+    sums = soak.sum_cells({"a": one, "b": {**one, "digests_equal": False}, "c": None,
+                           "d": elastic})  # fmt: skip
+    assert sums["faults"] == 6 and sums["digests_equal"] == 2 and sums["cells"] == 4
     assert sums["cells_failed_to_run"] == ["c"]
-    assert sums["kinds"]["stop-rank"] == {"faults": 2, "survived": 0}
+    assert sums["kinds"]["stop-rank"] == {"faults": 3, "survived": 0}
 
 
 def test_the_soak_across_hosts_takes_two_or_three(capsys):
@@ -306,3 +310,7 @@ def test_the_soak_across_hosts_takes_two_or_three(capsys):
         soak.main(["--hosts", "4", "--json", "/nonexistent/x.json"])
     assert ended.value.code == 2
     assert "`--hosts`: received '4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ended:  # (an elastic cell loses another host)
+        soak.main(["--cells", "elastic-gloo-k2", "--json", "/nonexistent/x.json"])
+    assert ended.value.code == 2
+    assert "an elastic cell with --hosts 2 or 3" in capsys.readouterr().err

@@ -23,6 +23,15 @@ With `--hosts N` (2 or 3; root) each cell runs across N namespace test hosts
 `--network-interface eth0`, the MNIST jobs on 2,048 samples: the host-level kinds join the
 others (those this kernel lacks, `lossy-link`, are left out with a line). `--kinds` is
 passed to every cell's chaos.
+
+The cells `elastic-gloo-k2` and `elastic-gloo-k3` (across hosts only, never by default) run
+`hvdtrain-run chaos --elastic --kinds kill-host` (`hvdtrain.launcher.chaoselastic`) on the
+MNIST convnet, 16 epochs of 1,280 samples: hosts lost and taken back by one elastic job,
+its final test accuracy within chaos's margin of the uninterrupted elastic run's (counted
+with the digests equal):
+
+    python -m hvdtrain.bench.soak --hosts 3 --faults 4 --cells elastic-gloo-k2,elastic-gloo-k3 \
+        --json soak-elastic.json
 """
 
 import argparse
@@ -42,6 +51,8 @@ __all__ = ["CELLS", "cells", "spread", "sum_cells", "main"]
 PROG = "python -m hvdtrain.bench.soak"
 MNIST = ("python", "-m", "hvdtrain.mnist", "--model", "mlp", "--epochs", "3",
          "--checkpoint-every", "4")  # fmt: skip
+ELASTIC = ("python", "-m", "hvdtrain.mnist", "--model", "convnet", "--limit-samples", "1280",
+           "--epochs", "16", "--commit-every", "5")  # fmt: skip
 
 
 def cells(root=PACKAGE_ROOT, samples=512):
@@ -60,6 +71,9 @@ def cells(root=PACKAGE_ROOT, samples=512):
         out[f"files-{backend}"] = (backend, command)
         command = ("python", "-m", "hvdtrain.bench.pydataset_job", "--checkpoint-every", "4")
         out[f"pydataset-{backend}"] = (backend, command)
+    for keras in ("2", "3"):  # (chaos --elastic: across hosts only)
+        command = (*ELASTIC, "--keras", keras)
+        out[f"elastic-gloo-k{keras}"] = ("gloo", command)
     return out
 
 
@@ -82,7 +96,9 @@ def sum_cells(reports):
     out = {k: sum(r.get(k, 0) for r in done.values()) for k in keys}
     out["cells"] = len(reports)
     out["cells_failed_to_run"] = sorted(k for k, r in reports.items() if not r)
-    out["digests_equal"] = sum(1 for r in done.values() if r.get("digests_equal"))
+    out["digests_equal"] = sum(  # (an elastic cell: its accuracy within the margin)
+        1 for r in done.values() if r.get("digests_equal") or r.get("accuracy_within_margin")
+    )
     out["kinds"] = {}
     for r in done.values():
         for record in r.get("records", []):
@@ -111,10 +127,13 @@ def main(argv=None):
                 raise invalid_value("--" + name, getattr(args, name), "an integer >= 0")
         if args.hosts not in ("0", "2", "3"):
             raise invalid_value("--hosts", args.hosts, "2 or 3 (namespace hosts), or 0")
-        names = [c.strip() for c in (args.cells or ",".join(CELLS)).split(",") if c.strip()]
+        default = ",".join(c for c in CELLS if not c.startswith("elastic"))
+        names = [c.strip() for c in (args.cells or default).split(",") if c.strip()]
         for name in names:
             if name not in CELLS:
                 raise invalid_value("--cells", name, "cells among " + ", ".join(CELLS))
+            if name.startswith("elastic") and args.hosts == "0":
+                raise invalid_value("--cells", name, "an elastic cell with --hosts 2 or 3")
         # A SIGTERM ends the cell's chaos run (its jobs too), then the namespace hosts.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         return _soak(args, spread(int(args.faults), names))
@@ -145,13 +164,15 @@ def _cells(args, plan, workdir, hosts):
         with open(hostfile, "w") as f:
             f.writelines(f"{a} slots=1\n" for a in hosts.addresses)
         where = ["--hostfile", hostfile, "--network-interface", "eth0"]
-    where += ["--kinds", args.kinds] if args.kinds else []
     for i, (name, faults) in enumerate(plan.items()):
         backend, command = matrix[name]
         folder = os.path.join(workdir, name)
         os.makedirs(folder, exist_ok=True)
         report = os.path.join(folder, "chaos.json")
-        argv = [sys.executable, "-m", "hvdtrain.launcher.cli", "chaos", *where,
+        kinds = ["--kinds", args.kinds] if args.kinds else []
+        if name.startswith("elastic"):  # (its one kind)
+            kinds = ["--elastic", "--kinds", "kill-host"]
+        argv = [sys.executable, "-m", "hvdtrain.launcher.cli", "chaos", *where, *kinds,
                 "--faults", str(faults), "--seed", str(int(args.seed) + i), "--backend",
                 backend, "--json", report, "--workdir", os.path.join(folder, "work"), "--",
                 *command]  # fmt: skip

@@ -130,12 +130,17 @@ class _Elastic:
         job.proc.wait()
         self.duration = time.monotonic() - job.started
         job.wait_end(time.monotonic() + 30)
-        out = read_metrics(metrics)
-        if job.proc.returncode != 0 or not out or out.get("test_accuracy") is None:
+        if job.proc.returncode != 0:
             why = last_line(job.output()) or "see " + job.log
             raise HvdtrainError(
-                f"the uninterrupted run failed (exit {job.proc.returncode}: {why}) or wrote no "
-                f"test accuracy to {metrics}; fix it before the chaos run"
+                f"the uninterrupted run failed (exit {job.proc.returncode}: {why}); fix it "
+                "before the chaos run"
+            )
+        out = read_metrics(metrics)
+        if not out or out.get("test_accuracy") is None:
+            raise HvdtrainError(
+                f"the uninterrupted run wrote no test accuracy to {metrics}: --elastic "
+                "compares the final test accuracy; give the script test data"
             )
         return out
 
