@@ -73,6 +73,24 @@ otherwise exiting without calling MPI_FINALIZE first).
 --------------------------------------------------------------------------
 """
 
+# A chaos cut-host 0.5 s into a job on 3 namespace hosts under MPI (soak, 2026-12-06): the
+# daemon on the cut host could not connect back to mpirun's, and mpirun exited 1.
+MPI_DAEMON_UNREACHED = """\
+------------------------------------------------------------
+A process or daemon was unable to complete a TCP connection
+to another process:
+  Local host:    hvd-host2
+  Remote host:   hvd-host0
+This is usually caused by a firewall on the remote host. Please
+check that any firewall (e.g., iptables) has been disabled and
+try again.
+------------------------------------------------------------
+--------------------------------------------------------------------------
+ORTE was unable to reliably start one or more daemons.
+This usually is caused by:
+--------------------------------------------------------------------------
+"""
+
 
 def filtered(text):
     f = OutputFilter()
@@ -155,6 +173,14 @@ def test_mpirun_signal_exit_status_and_lost_host():
     failure = find_failure(MPI_PEER_GONE.splitlines(), HOSTS)
     assert (failure.lost_host, failure.exit_code) == ("node2", 255)
     assert explain(failure, HOSTS).startswith("lost host node2 (ranks 1, 2): Open MPI lost")
+    daemon = find_failure(MPI_DAEMON_UNREACHED.splitlines(), HOSTS)
+    assert (daemon.lost_host, daemon.unreached, daemon.exit_code) == (
+        "hvd-host2", "hvd-host0", 255
+    )  # fmt: skip
+    assert explain(daemon, HOSTS).startswith(
+        "lost host hvd-host2: Open MPI's daemon there could not connect back to hvd-host0 as "
+        "the job started (the network between them was down, or a firewall blocks it)"
+    )  # fmt: skip
     # The same banner where node2 still answers (this host, or the probe after the job): a
     # rank's process ended there, not the host (a chaos kill-rank of rank 0 under MPI on 3
     # hosts was named "lost host" for the launch host itself).

@@ -67,6 +67,7 @@ promised times and injection): `hvdtrain.launcher.faults`.
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -334,12 +335,16 @@ class _Chaos:
         if fault.kind == "damage-checkpoint" and after:
             faults.damage_checkpoint(ckpt, after[-1])
             record["damaged"] = after[-1]
+        named = record.get("host", "") in record["line"]
+        if fault.kind == "cut-host" and code and not named and record.get("host_back"):
+            own = self.hosts.hostname(record["host"])  # (Open MPI names a host by its own)
+            named = bool(own) and re.search(rf"\b{re.escape(own)}\b", record["line"]) is not None
         record["survived"] = not (
             record["hang"]
             or record["traceback"]
             or record["checkpoint_lost"]
             or (fault.kind in LINK_KINDS and code != 0)  # a poor link must not end the run
-            or (fault.kind == "cut-host" and not (code == 0 or record["host"] in record["line"]))
+            or (fault.kind == "cut-host" and not (code == 0 or named))
             or not record.get("host_back", True)  # a cut host must answer again
         )
         return code, record

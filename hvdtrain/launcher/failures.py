@@ -87,6 +87,8 @@ _BLACKLIST = re.compile(r"blacklist failing host: (\S+)")
 _LOST = re.compile(
     r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)"
     r"|peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)"
+    r"|unable to complete a TCP connection to another process:\s*Local host:\s*(\S+)"
+    r"\s*Remote host:\s*(\S+)"
 )
 
 
@@ -104,6 +106,9 @@ class Failure:
     # rank's process there ended (a kill, a crash) or the host did; a host that still
     # answers lost the process only (`explain`'s `answers`).
     peer: bool = False
+    # `lost_host` from Open MPI's "unable to complete a TCP connection" banner: its daemon
+    # could not connect back to this host (`unreached`, by its own name) as the job started.
+    unreached: str | None = None
     # The rank the launcher named only stopped because another rank ended (it said so); the
     # one that did is not known (it exited without an error line: `sys.exit(7)`).
     consequence: bool = False
@@ -277,6 +282,8 @@ def find_failure(lines, hosts=()):
     text = " ".join(" ".join(line.split()) for line in lines)  # mpirun wraps its messages
     found = None
     lost = _LOST.search(text)
+    if lost and lost.group(3):  # a daemon that could not connect back, at the start
+        return Failure(lost_host=lost.group(3), unreached=lost.group(4))
     if lost:
         host = (lost.group(1) or lost.group(2)).rstrip(".,")
         return Failure(lost_host=host, peer=lost.group(1) is None)
@@ -375,6 +382,13 @@ def explain(failure, hosts=(), answers=False):
     if failure.lost_host:
         ranks = ranks_on(failure.lost_host, hosts)
         which = f" ({ranks})" if ranks else ""
+        if failure.unreached:
+            return (
+                f"lost host {failure.lost_host}{which}: Open MPI's daemon there could not "
+                f"connect back to {failure.unreached} as the job started (the network between "
+                "them was down, or a firewall blocks it); the job was ended. `hvdtrain-run "
+                "doctor` checks the hosts before a new launch."
+            )
         if failure.peer and answers:
             return (
                 f"a rank on host {failure.lost_host}{which} ended without a word: Open MPI's "

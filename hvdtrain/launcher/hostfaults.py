@@ -14,6 +14,7 @@ one host at once.
     hosts.cut("10.0.0.2", "eth0", 9, marker, 300)  # its link down until the job's ranks
                                                # there end (at most 300 s), then 9 s more
     hosts.wait_back(marker, "10.0.0.2", deadline)   # it answers again, nothing of the job left
+    hosts.hostname("10.0.0.2")                 # its own name ("node2"), or None
     Ranks(hosts).where(marker, 1, proc)        # (host, None) or (None, a process here)
 
 A host's processes are those in the network namespace of the ssh session there: on
@@ -126,6 +127,16 @@ class Hosts:
             return len(self.send(marker, host, "KILL")), True
         except HostUnreachable:
             return 0, False
+
+    def hostname(self, host):
+        """`host`'s own name (Open MPI's banners name hosts so), or None."""
+        argv = [*ssh_argv(host, *self.ssh), "hostname"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True,
+                                  timeout=self.timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return None
+        return (done.stdout.strip() or None) if done.returncode == 0 else None
 
     def running(self, marker, unreachable_ok=True):
         """{host: the count of the job's processes there} for the hosts that have any. A
