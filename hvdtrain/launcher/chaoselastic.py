@@ -10,8 +10,10 @@ which, `--faults` times, a host other than this one loses every process of the j
 (`kill-host`: its power lost) at a moment drawn from `--seed`. An elastic job is not
 restarted: Horovod re-forms it at fewer ranks from its last commit, leaves the host out for
 the cooldown, then takes it back. For each fault chaos checks that the job re-formed at
-fewer ranks within `kill-host`'s promise (`faults.promise`), and waits for it to grow back
-to its size before the next fault; at the end, that the job finished (exit 0, every epoch,
+fewer ranks within `kill-host`'s promise (`faults.promise`) and Gloo's timeout (with 3 ranks
+or more, a rank that waits on another survivor learns of the loss only at that timeout:
+HOROVOD_GLOO_TIMEOUT_SECONDS, 30 s by default), and waits for it to grow back to its size
+before the next fault; at the end, that the job finished (exit 0, every epoch,
 no traceback, nothing left on any host).
 
 The final weights cannot equal the uninterrupted run's bit for bit, and the schedule cannot
@@ -41,6 +43,8 @@ KINDS = ("kill-host",)
 COOLDOWN = (5, 10)  # Horovod's --blacklist-cooldown-range: the host is back after it
 MARGIN_POINTS = 3.0
 STARTUP = 90  # seconds for a worker to start on a host taken back (TensorFlow's import)
+GLOO_TIMEOUT = 30  # HOROVOD_GLOO_TIMEOUT_SECONDS's default: a rank that waits on another
+# survivor (3 ranks or more) learns of the loss only then
 _EPOCH = re.compile(r"hvdtrain: epoch (\d+)/(\d+): ")
 _RESET = re.compile(r"elastic: (a worker failed|hosts changed); (\d+) -> (\d+) rank\(s\)")
 _TRACEBACK = "Traceback (most recent call last)"
@@ -85,6 +89,13 @@ class _Log:
     def resets(self):
         """[(reason, size before, size after)] of the job's re-formations so far."""
         return [(r, int(a), int(b)) for r, a, b in _RESET.findall(self.text)]
+
+
+def _gloo_timeout(env):
+    try:
+        return max(0.0, float(env.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT)))
+    except ValueError:
+        return GLOO_TIMEOUT
 
 
 def _shrank(resets):
@@ -148,7 +159,7 @@ class _Elastic:
         """The job with the `drawn` faults: (exit status, its metrics or None, records)."""
         job, metrics = self._job("elastic-chaos")
         log, ranks = _Log(job.log), Ranks(self.hosts)
-        lose = promise("kill-host", self.stall, self.grace)
+        lose = promise("kill-host", self.stall, self.grace) + _gloo_timeout(self.env)
         end_by = job.started + 2 * self.duration + len(drawn) * (lose + COOLDOWN[1] + STARTUP)
         _wait(job, log, lambda x: x.epoch()[0] >= 1, end_by)
         size = self.args.np
