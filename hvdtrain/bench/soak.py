@@ -197,9 +197,12 @@ def _cells(args, plan, workdir, hosts):
         except (OSError, ValueError):
             reports[name] = None
         got = reports[name] or {}
+        verdict = "digest " + ("equal" if got.get("digests_equal") else "DIFFERENT")
+        if "accuracy_within_margin" in got:  # (an elastic cell)
+            verdict = "accuracy " + ("within" if got["accuracy_within_margin"] else "OUTSIDE")
+            verdict += " the margin"
         print(f"{PROG}: {name}: exit {code}, {got.get('survived', 0)}/{got.get('faults', 0)} "
-              f"survived, digest {'equal' if got.get('digests_equal') else 'DIFFERENT'}",
-              file=sys.stderr, flush=True)  # fmt: skip
+              f"survived, {verdict}", file=sys.stderr, flush=True)  # fmt: skip
     sums = sum_cells(reports)
     out = {**sums, "seconds": round(time.monotonic() - started), "plan": plan,
            "hosts": hosts.addresses if hosts else None, "workdir": workdir,
