@@ -384,7 +384,7 @@ def _parse(argv):
     p.add_argument(
         "--elastic",
         action="store_true",
-        help="hosts lost and back under Horovod Elastic (see chaoselastic)",
+        help="hosts lost and taken back by an elastic job (kill-host only)",
     )
     p.add_argument("--json", metavar="PATH", help="write the totals and every fault here")
     p.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: a new temp)")
