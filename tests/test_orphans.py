@@ -13,7 +13,7 @@ import uuid
 import pytest
 from conftest import BIN, job_env, launch_argv, start_job, worker
 
-from hvdtrain.launcher.chaos import MARKER, complete_checkpoints, job_processes
+from hvdtrain.launcher.faults import MARKER, complete_checkpoints, job_processes
 from hvdtrain.runtime import orphan, processes
 
 MNIST = ["-m", "hvdtrain.mnist", "--model", "mlp", "--limit-samples", "512"]
