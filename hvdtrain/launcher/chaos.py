@@ -78,7 +78,7 @@ import time
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.launcher import chaoselastic, faults
-from hvdtrain.launcher.chaosjob import Job, digest, job_command, launch_command
+from hvdtrain.launcher.chaosjob import TRACEBACK, Job, digest, job_command, launch_command
 from hvdtrain.launcher.chaosreport import (
     digest_line,
     fault_record,
@@ -107,7 +107,6 @@ __all__ = ["KINDS", "Fault", "schedule", "promise", "moment", "job_processes",
            "job_command", "launch_command", "main"]  # fmt: skip
 
 PROG = "hvdtrain-run chaos"
-_TRACEBACK = "Traceback (most recent call last)"
 
 
 def _env(args):
@@ -325,7 +324,7 @@ class _Chaos:
         text = job.output()
         record["exit_status"] = code
         record["line"] = last_line(text)
-        record["traceback"] = _TRACEBACK in text
+        record["traceback"] = TRACEBACK in text
         after = complete_checkpoints(ckpt)
         record["checkpoint_lost"] = bool(
             newest_before

@@ -32,8 +32,8 @@ import sys
 import time
 
 from hvdtrain.errors import HvdtrainError, invalid_value
-from hvdtrain.launcher.chaosjob import Job, job_command, launch_command, read_metrics
-from hvdtrain.launcher.chaosreport import fault_record, last_line
+from hvdtrain.launcher.chaosjob import TRACEBACK, Job, job_command, launch_command, read_metrics
+from hvdtrain.launcher.chaosreport import fault_record, last_line, totals
 from hvdtrain.launcher.faults import promise, schedule
 from hvdtrain.launcher.hostfaults import HostUnreachable, Ranks
 
@@ -47,7 +47,6 @@ GLOO_TIMEOUT = 30  # HOROVOD_GLOO_TIMEOUT_SECONDS's default: a rank that waits o
 # survivor (3 ranks or more) learns of the loss only then
 _EPOCH = re.compile(r"hvdtrain: epoch (\d+)/(\d+): ")
 _RESET = re.compile(r"elastic: (a worker failed|hosts changed); (\d+) -> (\d+) rank\(s\)")
-_TRACEBACK = "Traceback (most recent call last)"
 
 
 def check(args, kinds, hosts):
@@ -211,7 +210,7 @@ class _Elastic:
         for record in records:
             if record["injected"]:
                 record["exit_status"] = job.proc.returncode
-                record["traceback"] = _TRACEBACK in text
+                record["traceback"] = TRACEBACK in text
                 record["hang"] = record["hang"] or hung
         injected = [r for r in records if r["injected"]]
         if injected:
@@ -255,15 +254,9 @@ def run(args, workdir, hosts, env, prog):
     within = final is not None and abs(final - reference) * 100 <= MARGIN_POINTS
     injected = [r for r in records if r["injected"]]
     sums = {
-        "faults": len(injected),
-        "not_injected": len(records) - len(injected),
-        "survived": sum(1 for r in injected if r["survived"]),
-        "digests_equal": None,
+        **totals(records, False),
+        "digests_equal": None,  # (the schedule cannot repeat: the accuracy instead)
         "accuracy_within_margin": within,
-        "hangs": sum(1 for r in injected if r["hang"]),
-        "left_behind": sum(r["processes_left"] for r in injected),
-        "tracebacks": sum(1 for r in injected if r["traceback"]),
-        "checkpoints_lost": 0,
         "failed_alone": 0 if code == 0 or injected else 1,
     }
     verdict = (

@@ -13,7 +13,9 @@ from hvdtrain.launcher.faults import MARKER, job_processes
 from hvdtrain.launcher.hostfaults import HostUnreachable
 from hvdtrain.runtime import processes
 
-__all__ = ["Job", "job_command", "launch_command", "read_metrics", "digest"]
+__all__ = ["TRACEBACK", "Job", "job_command", "launch_command", "read_metrics", "digest"]
+
+TRACEBACK = "Traceback (most recent call last)"  # in a job's output: a traceback printed
 
 
 def _flag_value(argv, flag):
