@@ -121,8 +121,6 @@ def main(argv=None):
     frontends.add_keras_flag(parser)
 
     def run(argv):
-        from hvdtrain.data import ArrayData
-
         args = parser.parse_args(argv)
         if not 0 <= args.test_fraction < 1:
             raise invalid_value("--test-fraction", args.test_fraction, "0 <= value < 1")
@@ -134,6 +132,8 @@ def main(argv=None):
             if args.weights
             else ("random initialisation (no --weights; ImageNet weights are not downloaded)")
         )
+        from hvdtrain.data import ArrayData  # TensorFlow: once the flags and files are checked
+
         data = ArrayData(
             x, y, test if len(test[0]) else None, train_map=_augment, eval_map=_decode,
             source="data-dir",

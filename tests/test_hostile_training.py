@@ -61,6 +61,26 @@ def test_mnist_flags(argv):
     assert args.threads is None or 1 <= args.threads <= 4096
 
 
+@pytest.mark.parametrize("entry", ["hvdtrain.mnist", "hvdtrain.cifar10", "hvdtrain.images"])
+def test_an_entry_points_bad_flag_is_refused_before_tensorflow_loads(entry):
+    """A mistake in the flags is answered at once: TensorFlow (seconds to load) is not
+    imported for it (it was, for two stops, through `hvdtrain.data`'s package)."""
+    import subprocess
+
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{entry!r}, '--epochs', '0', '--data-dir', '.']\n"
+        "try:\n"
+        f"    runpy.run_module({entry!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code, 'tensorflow' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.stdout.strip() == "exit 2 False", proc.stdout + proc.stderr
+    assert "`--epochs`: received '0'" in proc.stderr
+
+
 # A user's script whose model mixes the two Keras, or is compiled as Keras 2 takes it but
 # not Keras 3, in the way its argument names.
 MIXED = """import sys

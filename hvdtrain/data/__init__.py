@@ -13,34 +13,36 @@ ranks (equal, or by speed under `--sync-balance`) are planned here too (`shares`
 form is one new file here and one line in `forms.as_data`.
 """
 
-from hvdtrain.data.arrays import ArrayData
-from hvdtrain.data.base import (
-    Data,
-    Placement,
-    chain,
-    eval_dataset,
-    num_samples,
-    pack,
-    shard_indices,
-    share_dataset,
-    steps_per_epoch,
-    structure,
-    train_dataset,
-)
-from hvdtrain.data.datasets import DatasetData
+import importlib
 
-__all__ = [
-    "Data",
-    "ArrayData",
-    "DatasetData",
-    "Placement",
-    "chain",
-    "eval_dataset",
-    "num_samples",
-    "pack",
-    "shard_indices",
-    "share_dataset",
-    "steps_per_epoch",
-    "structure",
-    "train_dataset",
-]
+# Each name loads its module on first use, so that an entry point's flags are checked, and a
+# submodule that needs no TensorFlow (`mnist`, `sources`, `shares`) loads, before TensorFlow.
+_EXPORTS = {
+    "Data": "base",
+    "ArrayData": "arrays",
+    "DatasetData": "datasets",
+    "Placement": "base",
+    "chain": "base",
+    "eval_dataset": "base",
+    "num_samples": "base",
+    "pack": "base",
+    "shard_indices": "base",
+    "share_dataset": "base",
+    "steps_per_epoch": "base",
+    "structure": "base",
+    "train_dataset": "base",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"hvdtrain.data.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hvdtrain.data' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(__all__) | set(globals()))
