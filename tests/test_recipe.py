@@ -57,52 +57,61 @@ def train(backend, form, files, out, *extra, check=True, jobs=None):
     return proc, metrics
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(files, tmp_path_factory, shared_jobs):
-    """form -> the metrics of an uninterrupted Gloo run (made once, for both backends)."""
-    runs = {}
-
-    def get(form):
-        if form not in runs:
-            out = tmp_path_factory.mktemp(f"ref-{form}")
-            _, ref = train("gloo", form, files, out, jobs=shared_jobs)
-            # 600 samples, 2 ranks, batch 16: 18 steps per epoch; checkpoints every 2 steps.
-            assert ref["steps_per_epoch"] == 18 and ref["size"] == 2
-            # BatchNorm statistics averaged, the weights identical on both ranks, checked.
-            assert len({r["weights_digest"] for r in ref["ranks"]}) == 1
-            assert ref["test_samples"] == 101 and 0.5 < ref["test"]["auc"] <= 1.0
-            runs[form] = ref
-        return runs[form]
-
-    return get
-
-
 # Each backend, data form, Keras and --sync mode at least once, each Keras under each
 # backend. The synchronous mode's other pairs: the seeded kills of test_resume.py (Keras 2 and
 # 3, arrays, at every moment of a step) and `hvdtrain-run chaos` (test_chaos.py).
-@pytest.mark.parametrize(
-    "backend, form",
-    [
-        ("gloo", "keras3-tfrecord"),  # killed between two exchanges of weights
-        ("mpi", "keras3+diloco"),
-        ("mpi", "batches+local:overlap"),  # an exchange in flight when killed
-        ("gloo", "keras3-batches+diloco:overlap"),
-    ],  # fmt: skip
-)
-def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
-    backend, form, files, uninterrupted, shared_jobs, tmp_path
-):
+KILLS = [
+    ("gloo", "keras3-tfrecord"),  # killed between two exchanges of weights
+    ("mpi", "keras3+diloco"),
+    ("mpi", "batches+local:overlap"),  # an exchange in flight when killed
+    ("gloo", "keras3-batches+diloco:overlap"),
+]
+
+
+def _read(out):
+    path = out / "m.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def kills(files, shared_jobs, tmp_path_factory):
+    """(backend, form) -> (the killed job, its resume's metrics, an uninterrupted Gloo run's
+    metrics). The kills first, each its own job; then the uninterrupted runs and the Gloo
+    resumes in one shared Gloo job, the MPI resumes in one shared MPI job: six jobs, not
+    twelve."""
+    runs = {}
+    for backend, form in KILLS:
+        out = tmp_path_factory.mktemp(f"kill-{backend}-{form}")
+        killed, _ = train(backend, form, files, out, "--kill-at", "25", check=False)
+        runs[backend, form] = [out, killed]
+    for backend in ("gloo", "mpi"):
+        for (b, form), run in runs.items():
+            if backend == "gloo":  # the uninterrupted runs, for both backends
+                ref = tmp_path_factory.mktemp(f"ref-{form}")
+                train("gloo", form, files, ref, check=False, jobs=shared_jobs)
+                run.append(_read(ref))
+            if b == backend:
+                proc, _ = train(b, form, files, run[0], check=False, jobs=shared_jobs)
+                run.append((proc, _read(run[0])))
+    return {key: tuple(run[1:]) for key, run in runs.items()}
+
+
+@pytest.mark.parametrize("backend, form", KILLS)
+def test_kill_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(backend, form, kills):
     """Against the Gloo run's weights for both backends: MPI's sums of two ranks' gradients
     are Gloo's, bit for bit."""
-    run_dir = tmp_path / "run"
-    ref = uninterrupted(form)
+    killed, ref, (proc, resumed) = kills[backend, form]
+    # 600 samples, 2 ranks, batch 16: 18 steps per epoch; checkpoints every 2 steps.
+    assert ref and ref["steps_per_epoch"] == 18 and ref["size"] == 2, ref
+    # BatchNorm statistics averaged, the weights identical on both ranks, checked.
+    assert len({r["weights_digest"] for r in ref["ranks"]}) == 1
+    assert ref["test_samples"] == 101 and 0.5 < ref["test"]["auc"] <= 1.0
 
-    killed, _ = train(backend, form, files, run_dir, "--kill-at", "25", check=False)
     output = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "rank 1: killing itself after step 25" in output
     # global step 24 of 18 per epoch: epoch-0002-step-000006
     assert "epoch-0002-step-000006 (epoch 2, step 6 of 18)" in output
-    _, resumed = train(backend, form, files, run_dir, jobs=shared_jobs)
+    assert proc.returncode == 0 and resumed, (proc.stdout + proc.stderr)[-6000:]
     assert resumed["resumed_from"] == {
         "epoch": 2, "step": 6, "checkpoint": "epoch-0002-step-000006", "optimizer_iterations": 24
     }  # fmt: skip
@@ -147,7 +156,9 @@ def _check_epochs(ranks, total):
         assert r["resumed"] == r["epochs"][1][3 * 4 :] + r["epochs"][2]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+# The scenarios below in the order of their shared jobs, each job started once: MPI's (left
+# by `kills`), Gloo's, then Gloo's on two host names and MPI's again.
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(
     backend, shared_jobs, tmp_path
 ):
@@ -159,6 +170,12 @@ def test_every_record_once_per_epoch_from_shared_files_of_uneven_sizes(
     _check_epochs(ranks, total)
     test = sorted(i for r in ranks for i in r["test"])
     assert test == list(range(1000, 1017))  # each test record once over the ranks
+
+
+def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, shared_jobs, tmp_path):
+    _, m = train("gloo", "dataset", files, tmp_path, jobs=shared_jobs)
+    assert m["data_source"] == "tf.data" and m["steps_per_epoch"] == 18
+    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
 
 
 @pytest.mark.parametrize(
@@ -181,12 +198,6 @@ def test_every_record_once_per_epoch_from_per_host_files(backend, hosts, shared_
     if backend == "gloo":  # each rank read its own host's records only
         assert set(ranks[0]["epochs"][0]) == set(range(20))
         assert set(ranks[1]["epochs"][0]) == set(range(20, 40))
-
-
-def test_a_tf_data_pipeline_of_the_user_trains_and_agrees(files, shared_jobs, tmp_path):
-    _, m = train("gloo", "dataset", files, tmp_path, jobs=shared_jobs)
-    assert m["data_source"] == "tf.data" and m["steps_per_epoch"] == 18
-    assert len({r["weights_digest"] for r in m["ranks"]}) == 1
 
 
 @pytest.mark.parametrize(
