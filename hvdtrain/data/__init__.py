@@ -14,31 +14,51 @@ form is one new file here and one line in `forms.as_data`.
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
-# Each name loads its module on first use, so that an entry point's flags are checked, and a
-# submodule that needs no TensorFlow (`mnist`, `sources`, `shares`) loads, before TensorFlow.
-_EXPORTS = {
-    "Data": "base",
-    "ArrayData": "arrays",
-    "DatasetData": "datasets",
-    "Placement": "base",
-    "chain": "base",
-    "eval_dataset": "base",
-    "num_samples": "base",
-    "pack": "base",
-    "shard_indices": "base",
-    "share_dataset": "base",
-    "steps_per_epoch": "base",
-    "structure": "base",
-    "train_dataset": "base",
-}
+if TYPE_CHECKING:  # what the names are, for readers and tools (the docs' reference: griffe)
+    from hvdtrain.data.arrays import ArrayData
+    from hvdtrain.data.base import (
+        Data,
+        Placement,
+        chain,
+        eval_dataset,
+        num_samples,
+        pack,
+        shard_indices,
+        share_dataset,
+        steps_per_epoch,
+        structure,
+        train_dataset,
+    )
+    from hvdtrain.data.datasets import DatasetData
 
-__all__ = list(_EXPORTS)
+# Each name loads its module on first use (`base`, unless named here), so that an entry
+# point's flags are checked, and a submodule that needs no TensorFlow (`mnist`, `sources`,
+# `shares`) loads, before TensorFlow.
+_ELSEWHERE = {"ArrayData": "arrays", "DatasetData": "datasets"}
+
+__all__ = [
+    "Data",
+    "ArrayData",
+    "DatasetData",
+    "Placement",
+    "chain",
+    "eval_dataset",
+    "num_samples",
+    "pack",
+    "shard_indices",
+    "share_dataset",
+    "steps_per_epoch",
+    "structure",
+    "train_dataset",
+]
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"hvdtrain.data.{_EXPORTS[name]}"), name)
+    if name in __all__:
+        module = _ELSEWHERE.get(name, "base")
+        value = getattr(importlib.import_module(f"hvdtrain.data.{module}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hvdtrain.data' has no attribute {name!r}")
