@@ -75,10 +75,10 @@ def _read(out):
 
 @pytest.fixture(scope="module")
 def kills(files, shared_jobs, tmp_path_factory):
-    """(backend, form) -> (the killed job, its resume's metrics, an uninterrupted Gloo run's
-    metrics). The kills first, each its own job; then the uninterrupted runs and the Gloo
-    resumes in one shared Gloo job, the MPI resumes in one shared MPI job: six jobs, not
-    twelve."""
+    """(backend, form) -> (the killed job, an uninterrupted Gloo run's metrics, (its resume,
+    the resume's metrics)). The kills first, each its own job; then the uninterrupted runs
+    and the Gloo resumes in one shared Gloo job, the MPI resumes in one shared MPI job: six
+    jobs, not twelve."""
     runs = {}
     for backend, form in KILLS:
         out = tmp_path_factory.mktemp(f"kill-{backend}-{form}")
