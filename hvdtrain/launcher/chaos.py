@@ -183,17 +183,34 @@ class _Chaos:
         if where[0] == "start-up":
             strike = job.started + where[1] * startup
         else:
-            anchor = remaining[where[1]]
-            while job.proc.poll() is None and not any(
-                checkpoint_order(n) >= checkpoint_order(anchor) for n in complete_checkpoints(ckpt)
-            ):
-                time.sleep(0.02)
+            # The interval after the anchor as the uninterrupted run took it (not the mean of
+            # all, which counts the epochs' evaluations), scaled by this attempt's pace where
+            # it wrote the checkpoint before the anchor too: the mean, under another load,
+            # put moments past the run's end (a cut, then a slowed link, never struck).
+            k, times = where[1], self.timeline
+            seen = [self._wait_for(job, ckpt, remaining[i]) for i in (k - 1, k) if i >= 0]
+            if k + 1 < len(remaining):
+                interval = times[remaining[k + 1]] - times[remaining[k]]
+            if len(seen) == 2 and None not in seen:
+                before = times[remaining[k]] - times[remaining[k - 1]]
+                interval *= (seen[1] - seen[0]) / before if before > 0 else 1.0
             strike = time.monotonic() + where[2] * interval
         while time.monotonic() < strike and job.proc.poll() is None:
             time.sleep(0.02)
         if fault.kind == "kill-in-checkpoint":
             while job.proc.poll() is None and not faults.writing_checkpoint(ckpt):
                 time.sleep(0.002)
+
+    @staticmethod
+    def _wait_for(job, ckpt, name):
+        """When checkpoint `name` (or a later one) was complete (monotonic), or None if the
+        job ended first."""
+        while not any(checkpoint_order(n) >= checkpoint_order(name)
+                      for n in complete_checkpoints(ckpt)):  # fmt: skip
+            if job.proc.poll() is not None:
+                return None
+            time.sleep(0.02)
+        return time.monotonic()
 
     def _phase(self, ckpt, before):
         """(the complete checkpoints, the phase of the run now): `before` those it began with."""
