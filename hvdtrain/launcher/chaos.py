@@ -189,8 +189,7 @@ class _Chaos:
             # put moments past the run's end (a cut, then a slowed link, never struck).
             k, times = where[1], self.timeline
             seen = [self._wait_for(job, ckpt, remaining[i]) for i in (k - 1, k) if i >= 0]
-            if k + 1 < len(remaining):
-                interval = times[remaining[k + 1]] - times[remaining[k]]
+            interval = times[remaining[k + 1]] - times[remaining[k]]  # `moment`: k < len - 1
             if len(seen) == 2 and None not in seen:
                 before = times[remaining[k]] - times[remaining[k - 1]]
                 interval *= (seen[1] - seen[0]) / before if before > 0 else 1.0
