@@ -138,11 +138,11 @@ def test_the_fragments_pydataset_line_runs_with_the_pages_own_images(tmp_path, m
 def test_exchanging_less_says_which_line_names_the_mode_and_what_bytes_sent_counts():
     """The mode ends the `training on` line, which comes after the data line; under Adam
     `bytes_sent` is more than exchanges x bytes_per_exchange (test_exchange.py measures
-    it: the moments are averaged at whole exchanges)."""
+    it: the moments are averaged before each checkpoint)."""
     text = " ".join(open(os.path.join(ROOT, "docs", "exchanging-less.md")).read().split())
     assert "The first line names the mode" not in text
     assert "The `training on` line, the one after the data line, ends with the mode" in text
-    assert "it is more than `exchanges` x `bytes_per_exchange`" in text
+    assert "and a checkpoint it is more than `exchanges` x `bytes_per_exchange`" in text
 
 
 # -- your-model.md: the DatasetData example ------------------------------------------------

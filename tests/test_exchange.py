@@ -433,11 +433,14 @@ def test_diloco_with_outer_sgd_of_rate_1_is_local_sgd_and_ranks_agree_at_exchang
     keras, shared_jobs, tmp_path
 ):
     """Adam inside, BatchNorm: 2 epochs of 10 steps, H=4: exchanges after steps 4, 8, 10 of
-    each epoch, and the ranks' weights differ after every other step."""
+    each epoch, and the ranks' weights differ after every other step. Both runs checkpoint
+    each epoch: Adam's moments are averaged before each checkpoint."""
     (local, local1), m = _run(shared_jobs, tmp_path / "local", "--sync", "local", "--sync-every",
-                              "4", "--sync-warmup-steps", "0", keras=keras)  # fmt: skip
+                              "4", "--sync-warmup-steps", "0", "--checkpoint-dir",
+                              tmp_path / "local" / "ck", keras=keras)  # fmt: skip
     (diloco, diloco1), d = _run(shared_jobs, tmp_path / "diloco", "--sync", "diloco",
                                 "--sync-every", "4", "--outer-lr", "1", "--outer-momentum", "0",
+                                "--checkpoint-dir", tmp_path / "diloco" / "ck",
                                 keras=keras)  # fmt: skip
     assert _largest_difference(local, diloco) < 1e-6
     # after the end, every variable (BatchNorm's statistics, too) the same on both ranks
@@ -449,7 +452,7 @@ def test_diloco_with_outer_sgd_of_rate_1_is_local_sgd_and_ranks_agree_at_exchang
     assert d["sync"]["mode"] == "diloco" and d["sync"]["outer_lr"] == 1.0
     assert d["sync"]["outer_lr_from"] == "--outer-lr"
     # An exchange moves the weights and BatchNorm's 2 x 16 statistics; Adam's two moments are
-    # averaged at the two epoch ends only.
+    # averaged before the two epoch ends' checkpoints only.
     trainable = 12 * 16 + 16 + 2 * 16 + 16 * 4 + 4
     assert m["sync"]["bytes_per_exchange"] == 4 * (trainable + 2 * 16)
     assert m["sync"]["bytes_sent"] == 6 * m["sync"]["bytes_per_exchange"] + 2 * 4 * 2 * trainable
@@ -463,11 +466,14 @@ def test_a_resume_where_the_synchronous_warmup_ends_is_exact(sync, extra, shared
     is the weights where the warmup ends, in both); DiLoCo's change sent in 16 bits."""
     flags = ["--sync", sync, "--sync-every", "4", "--sync-warmup-steps", "10", "--deterministic"]
     flags += extra
-    (whole, _), _ = _run(shared_jobs, tmp_path / "whole", *flags)
+    (whole, _), w = _run(shared_jobs, tmp_path / "whole", *flags)
     ckpt = str(tmp_path / "ckpt")
     _run(shared_jobs, tmp_path / "cut", *flags, "--epochs", "1", "--checkpoint-dir", ckpt)
     (resumed, _), m = _run(shared_jobs, tmp_path / "cut", *flags, "--checkpoint-dir", ckpt)
     assert m["resumed_from"]["epoch"] == 1 and m["sync"]["exchanges"] == 3
+    # Adam's moments go on the wire before a checkpoint only: not in the run without one.
+    assert w["sync"]["bytes_sent"] == 3 * w["sync"]["bytes_per_exchange"]
+    assert m["sync"]["bytes_sent"] > 3 * m["sync"]["bytes_per_exchange"]
     assert _largest_difference(whole, resumed) == 0
 
 
@@ -733,28 +739,39 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     # Overlapped, what the steps still wait for at the point keeps to the blocking margin.
     assert choose(3.0, options, overlap=True, blocked=3.0) == (32, False)  # 3 <= 0.1/0.9 x 32
     assert choose(40.0, options, overlap=True, blocked=1.0) == (64, False)
+    # ... with the steps' time it takes from the steps beside it (copies on one core).
+    assert choose(40.0, options, overlap=True, blocked=1.0, slowed=8.0) == (128, False)
 
 
 def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     """A step beside an exchange in flight shares the CPU with it (the convnet's: 62 ms alone,
     115 ms beside one): auto's ratio takes the steps timed alone, the others only where no
-    step ran alone; and the ranks agree on the largest ratio."""
+    step ran alone; the time the exchange takes from the steps beside it is a cost the steps
+    pay, as their wait is; and the ranks agree on the largest ratio."""
     from hvdtrain.exchange.auto import AutoEvery
 
     auto = AutoEvery(overlap=True, revisit=True)
     auto.start(1)
     auto.exchange_seconds = [1.0, 1.0, 1.0]
-    for seconds, beside in [(0.115, True)] * 6 + [(0.0625, False)] * 2:
+    for seconds, beside in [(0.0625, True)] * 6 + [(0.0625, False)] * 2:
+        auto.time_steps(seconds, beside)  # an exchange that costs the steps beside it nothing
+    assert auto.choose(lambda xs: xs, step=5) == 32  # 16 steps alone: 16 <= 0.75 x 32
+    assert auto.measured["slowed_ratio"] == 0.0
+    auto.exchange_seconds = [1.0, 1.0, 1.0]
+    for seconds, beside in [(0.125, True)] * 6 + [(0.0625, False)] * 2:
         auto.time_steps(seconds, beside)
-    assert auto.choose(lambda xs: xs, step=10) == 32  # 16 steps alone: 16 <= 0.75 x 32
+    # Beside it a step takes twice as long: the 1 s in flight cost the steps 0.5 s, 8 steps
+    # of theirs, which a round must pay within a tenth: 8 <= 0.1/0.9 x 128.
+    assert auto.choose(lambda xs: xs, step=10) == 128
     assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
+    assert auto.measured["slowed_ratio"] == 8.0 and auto.measured["beside_seconds"] == 0.125
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.115, beside=True)  # none alone: the steps beside it
     assert auto.choose(lambda xs: xs, step=20) == 16 and not auto.measured["steps_alone"]
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.115, beside=True)
     assert auto.choose(lambda xs: [max(x, 1e3) for x in xs], step=30) == 256  # another rank's ratio
-    assert auto.choices == [[10, 32], [20, 16], [30, 256]] and auto.capped
+    assert auto.choices == [[5, 32], [10, 128], [20, 16], [30, 256]] and auto.capped
 
 
 def test_sync_every_auto_is_a_value_of_its_own_and_refused_where_it_means_nothing():
@@ -788,6 +805,7 @@ def test_auto_measures_chooses_says_so_and_a_resume_keeps_its_h(shared_jobs, tmp
     assert [step for step, _ in auto["choices"]] == [20] and auto["revisited"] is False
     assert auto["measured"]["exchange_seconds"] > 0 and auto["measured"]["step_seconds"] > 0
     assert auto["measured"]["blocked_seconds"] > 0  # the points' own wait, timed too
+    assert auto["measured"]["slowed_ratio"] >= 0  # and what it took from the steps beside it
     assert first["sync"]["every"] == auto["chosen"]
     _, resumed = _run(shared_jobs, tmp_path / "a", *flags, "--epochs", "3")
     assert resumed["resumed_from"] is not None

@@ -89,16 +89,14 @@ def predicted(label, model, ranks, mbit, step_seconds, every=None):
     return efficiency(step_seconds, nbytes, ranks, mbit * GBIT / 1000, h, overlap)
 
 
-WHOLE = 3  # an epoch's last exchange: the weights and Adam's two moments (`exchange.rounds`)
-
-
 def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
     """The projection of a job's share of the ceiling over its epochs: the ring model of
     `hvdtrain.bench.project` with the epoch's shape, `samples` an epoch in all. The
     synchronous job sends the gradient every step; local SGD and DiLoCo send the weights at
     each of the epoch's rounds but its last, blocking or in flight (a round then waits for
     what of the exchange its H steps did not cover), and at the epoch's end the whole
-    exchange, blocking: the weights with Adam's two moments. Pure."""
+    exchange, blocking (the weights: the jobs write no checkpoint, before which Adam's two
+    moments would go too, `exchange.rounds`). Pure."""
     h, overlap = _h(label)
     h = every or h or 16
     per = PARAMS[model] * (2 if "fp16" in label else 4)
@@ -109,7 +107,7 @@ def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
     rounds = max(1, steps // h)
     wait = max(0.0, x - h * step_seconds) if overlap else x
     work = steps * step_seconds
-    return work / (work + (rounds - 1) * wait + WHOLE * x)
+    return work / (work + (rounds - 1) * wait + x)
 
 
 def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):

@@ -15,9 +15,11 @@ smallest H for which
 
 - blocking: the exchange is at most `MARGINS[False]` (10 %) of a round (H steps and it);
 - overlapped: the exchange in flight takes at most `MARGINS[True]` (75 %) of a round's
-  steps (the rest is left to the steps' variation), and what the steps still wait for at
-  each exchange point (its own work: sending the change, landing the last mean) is at most
-  `MARGINS[False]` of a round, as a blocking exchange is,
+  steps (the rest is left to the steps' variation), and what it costs the steps is at most
+  `MARGINS[False]` of a round, as a blocking exchange's wait is: their wait at each exchange
+  point (its own work: sending the change, landing the last mean) and the time it takes
+  from the steps beside it (on a rank's one core its copies and reductions share the CPU
+  with them: the steps timed beside it against those timed alone),
 
 up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
 cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
@@ -46,11 +48,12 @@ def candidates(unit, cap=CAP):
     return out
 
 
-def choose(ratio, options, overlap, blocked=0.0):
+def choose(ratio, options, overlap, blocked=0.0, slowed=0.0):
     """(the smallest H of `options` whose exchange fits, whether none did and the largest
-    was taken) for an exchange of `ratio` steps' time (overlapped: in flight, and `blocked`
-    steps' time of it that the steps wait for at its point). Pure."""
-    wait = ratio if not overlap else blocked
+    was taken) for an exchange of `ratio` steps' time (overlapped: in flight, `blocked`
+    steps' time of it that the steps wait for at its point, and `slowed` steps' time it
+    takes from the steps beside it). Pure."""
+    wait = ratio if not overlap else blocked + slowed
     for h in options:
         blocks = wait <= MARGINS[False] / (1 - MARGINS[False]) * h
         if blocks and (not overlap or ratio <= MARGINS[True] * h):
@@ -102,9 +105,14 @@ class AutoEvery:
         blocked = statistics.median(self.blocked_seconds) if self.blocked_seconds else 0.0
         steps = self.step_seconds or self.beside_seconds
         own = statistics.median(steps) if steps else 0.0
-        ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
-        ratio, blocked_ratio = (float(x) for x in agree_max(ratios))
-        h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio)
+        beside = statistics.median(self.beside_seconds) if self.beside_seconds else 0.0
+        # The share of a step's pace an exchange in flight takes, timed where steps ran both
+        # alone and beside one: its in-flight seconds cost the steps as much of theirs.
+        slowed = max(0.0, 1 - own / beside) if self.step_seconds and beside > 0 else 0.0
+        costs = (exchange, blocked, exchange * slowed)
+        ratios = [x / own if own > 0 else float(self.options[-1]) for x in costs]
+        ratio, blocked_ratio, slowed_ratio = (float(x) for x in agree_max(ratios))
+        h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio, slowed_ratio)
         self.measured = {
             "exchange_seconds": round(exchange, 5),
             "step_seconds": round(own, 6),
@@ -114,13 +122,30 @@ class AutoEvery:
         }
         if self.overlap:
             self.measured.update(
-                blocked_seconds=round(blocked, 5), blocked_ratio=round(blocked_ratio, 3)
+                blocked_seconds=round(blocked, 5),
+                blocked_ratio=round(blocked_ratio, 3),
+                beside_seconds=round(beside, 6),  # a step's, beside an exchange in flight
+                slowed_ratio=round(slowed_ratio, 3),  # the steps' time an exchange takes
             )
         self.chosen = h
         self.choices.append([int(step), h])
         self.step_seconds, self.beside_seconds = [], []
         self.exchange_seconds, self.blocked_seconds = [], []
         return h
+
+    def said(self, before):
+        """The line of the last choice (`before`: the H it replaced): what was measured, and
+        the H chosen."""
+        m, h = self.measured, self.chosen
+        out = f"an exchange {1000 * m['exchange_seconds']:.1f} ms"
+        if self.overlap:
+            out += f", waited {1000 * m['blocked_seconds']:.1f} ms"
+            if m["slowed_ratio"]:
+                out += f", a step beside it {1000 * m['beside_seconds']:.2f} ms"
+        out += f", a step {1000 * m['step_seconds']:.2f} ms ({m['ratio']:.1f} steps): H={h}"
+        if h != before:
+            out += f" (was {before})"
+        return out + (f"; no H up to {h} hides it (the cap)" if self.capped else "")
 
     def summary(self):
         return {

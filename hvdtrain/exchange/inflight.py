@@ -115,8 +115,6 @@ class InFlight:
         """Everything landed and averaged. True when the ranks hold one model again."""
         r = self.replica
         if self.pending is None and r.in_agreement():  # the warmup, or done here
-            if r.agreed_whole != r.step:
-                self.start_round()
             return False
         with waiting(self.tally, self.mode.name):
             landed = self._landed()

@@ -9,7 +9,7 @@ class Exchange(Protocol):
     """The interface of every mode's exchange (`EveryStep`, `Rounds`). The recipe calls, in
     order: `configure` before the model's optimizers are distributed, `attach` once they
     are, `begin` at every (re)start, `callbacks` for each Keras `fit`, `stop_agreed` where a
-    callback asks to stop, `before_checkpoint` before a mid-epoch checkpoint,
+    callback asks to stop, `before_checkpoint` before every checkpoint,
     `ready_to_commit` where an elastic commit is due; and `describe`, `summary` and
     `rank_figures` for the run's first line and its metrics JSON."""
 
@@ -38,7 +38,8 @@ class Exchange(Protocol):
         None: not here (the ask is held to a later point)."""
 
     def before_checkpoint(self):
-        """Every rank, before a mid-epoch checkpoint: the ranks' whole state made one."""
+        """Every rank, before every checkpoint (mid-epoch, or at an epoch's end after its
+        callbacks): the ranks' whole state made one, the optimizers' included."""
 
     def ready_to_commit(self):
         """Every rank, where an elastic commit is due: True when the ranks hold one model

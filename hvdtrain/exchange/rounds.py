@@ -11,9 +11,11 @@ mean change; its averager (`Blocking`, `InFlight`) how the mean is made.
   and when training stops, the ranks average their changes since the last exchange (the
   anchor minus the weights; float16 on the wire with `--fp16-allreduce`) and their other
   float state (BatchNorm's statistics).
-- **The optimizers' own state** (Adam's moments) stays each rank's own between exchanges, as
-  in both papers, and is averaged only at whole exchanges (`now(whole=True)`: epoch ends,
-  checkpoints, the end), so rank 0's checkpoint is the whole state and a resume is exact.
+- **The optimizers' own state** (Adam's moments) stays each rank's own, as in both papers,
+  and is averaged only before a checkpoint (`before_checkpoint`), so that rank 0's
+  checkpoint is the whole state and a resume is exact. An epoch's end without one makes the
+  weights one (`now(whole=True)`), not the moments: under Adam they are twice the weights'
+  bytes, sent where a slow link is the limit.
 - **Between exchanges** the ranks differ by design: the check that they agree runs after the
   run's first exchange and at whole exchanges; an elastic run commits where the ranks agree
   (`ready_to_commit`).
@@ -58,7 +60,7 @@ class Replica:
 
     `weights`: the trainable variables; `state`: the model's other float variables
     (BatchNorm's statistics: averaged at every exchange); `opt_state`: the optimizers' float
-    state (averaged at whole exchanges only); `anchor`: the weights where the ranks last
+    state (averaged before checkpoints only); `anchor`: the weights where the ranks last
     agreed. `step` is the global step now, `agreed` the step where the ranks' models last
     agreed, `agreed_whole` where their optimizers did too."""
 
@@ -78,6 +80,11 @@ class Replica:
     def mean(self, tensor, name):
         """The ranks' mean of `tensor` (compressed on the wire as asked)."""
         return hvd.allreduce(tensor, op=hvd.Average, compression=self.compression, name=name)
+
+    def average_optimizers(self):
+        """The optimizers' state set to the ranks' mean; its bytes on the wire."""
+        wire.average_variables(self.opt_state, "hvdtrain.exchange.optimizers")
+        return wire.wire_bytes(self.opt_state)
 
     def average_state(self):
         """The BatchNorm statistics set to the ranks' mean; their bytes on the wire."""
@@ -209,6 +216,11 @@ class Rounds:
 
     def before_checkpoint(self):
         self.now(whole=True)
+        r = self.replica
+        if r.opt_state and r.agreed_whole != r.step:
+            with waiting(self.tally, self.mode.name):
+                self.tally.bytes += r.average_optimizers()
+        r.agreed_whole = r.step
 
     def ready_to_commit(self):
         return self.averager.ready_to_commit(lambda: self.now(whole=True))
@@ -262,7 +274,9 @@ class Rounds:
         if global_step != r.step:
             for opt in self.optimizers:
                 opt.iterations.assign_add(global_step - r.step)
-            r.step = r.agreed = r.agreed_whole = global_step
+            if r.agreed_whole == r.step:
+                r.agreed_whole = global_step
+            r.step = r.agreed = global_step
         self.averager.epoch_begins()
 
     def clock(self, step_in_epoch, seconds):
@@ -337,20 +351,8 @@ class Rounds:
             self.mode.begin(hvd.size(), h, self._exchanges())  # DiLoCo's rule follows H
             self.averager.retrace()
             self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
-        m = self.auto.measured
-        blocked = f", waited {1000 * m['blocked_seconds']:.1f} ms" if "blocked_seconds" in m else ""
-        logs.get_logger(hvd.rank()).info(
-            "--sync-every auto at step %d: an exchange %.1f ms%s, a step %.2f ms (%.1f steps): "
-            "H=%d%s%s",
-            r.step,
-            1000 * m["exchange_seconds"],
-            blocked,
-            1000 * m["step_seconds"],
-            m["ratio"],
-            h,
-            f" (was {before})" if h != before else "",
-            f"; no H up to {h} hides it (the cap)" if self.auto.capped else "",
-        )
+        said = self.auto.said(before)
+        logs.get_logger(hvd.rank()).info("--sync-every auto at step %d: %s", r.step, said)
 
     def in_agreement(self):
         return self.averager.in_agreement()
@@ -358,16 +360,9 @@ class Rounds:
     def now(self, whole=False):
         """An exchange here (a collective: every rank calls it at the same point, with the
         same `whole`): at an exchange point as the averager makes it, or with `whole` all of
-        it landed and the optimizers' state averaged too. Returns True when the ranks hold
-        one model after it and did not before."""
+        it landed, one model on every rank (the optimizers' state: `before_checkpoint`).
+        Returns True when the ranks hold one model after it and did not before."""
         weight = None if self.weight is None else tf.constant(self.weight, tf.float32)
         if not whole:
             return self.averager.point(weight)
-        r = self.replica
-        exchanged = self.averager.whole(weight)
-        if r.opt_state and r.agreed_whole != r.step:
-            with waiting(self.tally, self.mode.name):
-                wire.average_variables(r.opt_state, "hvdtrain.exchange.optimizers")
-                self.tally.bytes += wire.wire_bytes(r.opt_state)
-        r.agreed_whole = r.step
-        return exchanged
+        return self.averager.whole(weight)

@@ -45,6 +45,9 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         extra: `() -> dict` for the manifest's `extra`, called at each save.
         check: `() -> None`, called on every rank before a mid-epoch save (a collective;
             `hvdtrain.check_weights_agree`); an epoch's end is checked before this runs.
+        before_save: `() -> None`, called on every rank before every save, mid-epoch (before
+            `check`) and at an epoch's end (a collective: the exchange's `before_checkpoint`,
+            which makes the ranks' whole state one under `--sync local/diloco`).
     """
 
     def __init__(
@@ -57,9 +60,10 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         history=None,
         extra=None,
         check=None,
+        before_save=None,
     ):
         super().__init__()
-        self.extra, self.check = extra, check
+        self.extra, self.check, self.before_save = extra, check, before_save
         if every_steps and not steps_per_epoch:
             raise invalid_value("steps_per_epoch", steps_per_epoch, "steps with every_steps")
         self.history = {k: list(v) for k, v in (history or {}).items()}
@@ -92,6 +96,8 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
                 OTHER_RANKS,
             )
             average_model_state(self.model)
+            if self.before_save is not None:
+                self.before_save()
             if self.check is not None:
                 self.check()
             if hvd.rank() == 0:
@@ -109,6 +115,8 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         logs = _floats(logs)
         for k, v in logs.items():
             self.history.setdefault(k, []).append(v)
+        if self.before_save is not None:
+            self.before_save()
         if hvd.rank() != 0:
             return
         extra = self._extra()

@@ -416,6 +416,7 @@ class Run:
                 history=self.history,
                 extra=lambda: resume.steering(b.optimizers.schedules, b.model, cfg.epochs),
                 check=self._before_checkpoint,
+                before_save=b.exchange.before_checkpoint,
             )
             out.append(self.checkpointer)
         if commit is not None:
@@ -499,9 +500,8 @@ class Run:
             raise _explained(e, plan.place.rank, plan.data) from None
 
     def _before_checkpoint(self):
-        """Every rank, before a mid-epoch checkpoint: an exchange if one is due (`--sync
-        local/diloco`), then the check that the ranks agree."""
-        self.built.exchange.before_checkpoint()
+        """Every rank, before a mid-epoch checkpoint (after the exchange's
+        `before_checkpoint`): the check that the ranks agree."""
         agreement.check_weights_agree(self.built.model, "before a mid-epoch checkpoint")
 
     def _end_user_callbacks(self):
