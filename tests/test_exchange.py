@@ -747,7 +747,8 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     """A step beside an exchange in flight shares the CPU with it (the convnet's: 62 ms alone,
     115 ms beside one): auto's ratio takes the steps timed alone, the others only where no
     step ran alone; the time the exchange takes from the steps beside it is a cost the steps
-    pay, as their wait is; and the ranks agree on the largest ratio."""
+    pay, as their wait is; and the ranks agree on the smallest exchange (the rank that came
+    last to it waited for the wire alone) and the largest share of a step it takes."""
     from hvdtrain.exchange.auto import AutoEvery
 
     auto = AutoEvery(overlap=True, revisit=True)
@@ -769,9 +770,19 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     auto.time_steps(0.115, beside=True)  # none alone: the steps beside it
     assert auto.choose(lambda xs: xs, step=20) == 16 and not auto.measured["steps_alone"]
     auto.exchange_seconds = [1.0]
-    auto.time_steps(0.115, beside=True)
-    assert auto.choose(lambda xs: [max(x, 1e3) for x in xs], step=30) == 256  # another rank's ratio
-    assert auto.choices == [[5, 32], [10, 128], [20, 16], [30, 256]] and auto.capped
+    auto.time_steps(0.0625, beside=False)
+    # Another rank waited 0.25 s for the same exchange: 4 steps; 4 <= 0.75 x 8.
+    assert auto.choose(lambda xs: [max(x, -4.0) if i < 2 else x for i, x in enumerate(xs)],
+                       step=30) == 8  # fmt: skip
+    auto.exchange_seconds = [1e3] * 3
+    auto.time_steps(0.0625, beside=False)
+    assert auto.choose(lambda xs: xs, step=40) == 256 and auto.capped
+    assert auto.choices == [[5, 32], [10, 128], [20, 16], [30, 8], [40, 256]]
+    # Again at an epoch's end, once PROBE exchanges were timed since the last choice.
+    auto.exchange_seconds = [1.0]
+    assert not auto.due(epoch_end=True)
+    auto.exchange_seconds = [1.0] * 3
+    assert auto.due(epoch_end=True) and not auto.due(epoch_end=False)
 
 
 def test_sync_every_auto_is_a_value_of_its_own_and_refused_where_it_means_nothing():

@@ -9,9 +9,12 @@ time in its thread). Under the overlap a step is timed apart while an exchange i
 beside it, sharing the CPU with it (the convnet's step on this machine: 62 ms alone, 115 ms
 beside one): the rule takes the steps timed alone (those beside one where none ran alone),
 since a step slowed by the exchange makes the exchange look shorter than the round it costs.
-After its first `PROBE` exchanges, and again at each epoch's end unless `--deterministic`,
-the ranks agree on the largest ratio of an exchange to a step and take the
-smallest H for which
+After its first `PROBE` exchanges, and again at an epoch's end once `PROBE` more are timed
+(unless `--deterministic`), the ranks agree on what an exchange costs, in steps: the
+smallest of their ratios of its time to a step's (the rank that reaches an exchange last
+waits for the wire alone, the others for it too: a rank slower than another by a share of
+its steps stays so at any H), and the largest share of a step's pace that an exchange in
+flight takes. They take the smallest H for which
 
 - blocking: the exchange is at most `MARGINS[False]` (10 %) of a round (H steps and it);
 - overlapped: the exchange in flight takes at most `MARGINS[True]` (75 %) of a round's
@@ -92,7 +95,8 @@ class AutoEvery:
             return False
         if self.chosen is None:
             return epoch_end or len(self.exchange_seconds) >= PROBE
-        return epoch_end and self.revisit
+        # Not on one exchange's time: a choice that moves H on noise costs a trace.
+        return epoch_end and self.revisit and len(self.exchange_seconds) >= PROBE
 
     def time_steps(self, seconds, beside):
         """An execution's `seconds` per step; `beside`: an exchange was in flight during it."""
@@ -109,9 +113,10 @@ class AutoEvery:
         # The share of a step's pace an exchange in flight takes, timed where steps ran both
         # alone and beside one: its in-flight seconds cost the steps as much of theirs.
         slowed = max(0.0, 1 - own / beside) if self.step_seconds and beside > 0 else 0.0
-        costs = (exchange, blocked, exchange * slowed)
-        ratios = [x / own if own > 0 else float(self.options[-1]) for x in costs]
-        ratio, blocked_ratio, slowed_ratio = (float(x) for x in agree_max(ratios))
+        ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
+        agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], slowed])]
+        ratio, blocked_ratio, slowed = -agreed[0], -agreed[1], agreed[2]  # (the smallest: -max(-x))
+        slowed_ratio = ratio * slowed
         h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio, slowed_ratio)
         self.measured = {
             "exchange_seconds": round(exchange, 5),

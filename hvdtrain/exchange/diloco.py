@@ -98,6 +98,8 @@ class DiLoCo:
         self.steps = OuterSteps()
 
     def begin(self, ranks, every, exchanges=None):
+        """As `LocalSGD.begin`; True where the outer rate or momentum (traced) changed."""
+        before = (self.outer_lr, self.momentum)
         self.every = every
         if self.fitted:
             self.momentum = outer_momentum(exchanges)
@@ -109,6 +111,7 @@ class DiLoCo:
             bool(tf.reduce_any(m != 0)) for m in self.outer.momentum
         ):  # a checkpoint written before the correction: its momentum is at its steady state
             self.steps.count.assign(1000)
+        return (self.outer_lr, self.momentum) != before
 
     def holders(self):
         return {"exchange_outer": self.outer, "exchange_outer_steps": self.steps}
