@@ -730,6 +730,7 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
                                                                       "--sync-overlap"]  # fmt: skip
     assert samples_for(1e6, 10, 2, 16) == 60_000 // 2048 * 2048  # capped, whole rounds
     assert samples_for(10, 1, 2, 256) == 2 * 64 * 256  # one round at least
+    assert samples_for(1e6, 10, 2, 256) == 60_000 // 2048 * 2048  # and a shorter last one
     assert wire_bytes_per_sample({"mode": "step"}, "mlp", 2, 0, 0) == PARAMS["mlp"] * 4 / 64
     sync = {"mode": "local", "bytes_sent": 1000}
     assert wire_bytes_per_sample(sync, "mlp", 2, 100, 2) == pytest.approx(10.0)

@@ -11,9 +11,12 @@ For every number of hosts, link rate (Mbit/s) and model: the ceiling, the synchr
 the same with `--fp16-allreduce`, local SGD and DiLoCo blocking and overlapped at each H, and
 each with `--sync-every auto`, blocking, overlapped, overlapped in 16 bits (`--jobs auto`:
 those alone, beside the ceiling). A job's figure is the median samples/s of its epochs
-after the first (rank 0's epoch lines: the steps with their exchanges, not the evaluation);
+after the first (rank 0's epoch lines: the steps with their exchanges, not the evaluation),
+its share of the ceiling against the mean of the ceilings measured just before and just
+after it (the machine's pace drifts over a cell's minutes: the tables give their spread);
 each job's samples are sized from the projection so that its epochs take about `--seconds`
-(an `auto` job's as its cap's, H=256, so that its epochs hold rounds at any H it picks).
+(every exchange-less job's as the cap's, H=256, the same in every row of a cell, so that an
+`auto` job's epochs hold a round at any H it picks).
 Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
 bytes each rank puts on its link per sample it trains, and the projection's figure for the
 same link (`projected`: the ring model of `hvdtrain.bench.project` with the epoch's rounds
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,11 +116,13 @@ def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
 
 def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):
     """Training samples per epoch for a job expected at `rate` samples/s to take about
-    `seconds` an epoch: whole rounds of H steps on every rank, at least two, within
-    [least, most]. Pure."""
+    `seconds` an epoch: at least one round of H steps on every rank, within [least, most]
+    (the whole MNIST), in executions of 16 steps (the epoch's last round may be shorter, as a
+    user's is). Pure."""
+    unit = ranks * _BATCH * 16
     round_ = ranks * _BATCH * max(every or 16, 16)
-    n = min(most, max(least, 2 * round_, int(rate * seconds)))
-    return max(round_, n // round_ * round_)
+    n = min(most, max(least, round_, int(rate * seconds)))
+    return max(round_, n // unit * unit)
 
 
 def wire_bytes_per_sample(sync, model, ranks, samples, epochs, fp16=False):
@@ -175,23 +181,33 @@ _ENV = {"HVDTRAIN_OFFLINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def _cell(hosts, args, model, mbit, log):
-    """The jobs of one (hosts, link, model) cell: [{label, rate, of_ceiling, ...}]."""
-    hosts.shape(None)
-    quiet_wait(120, log=log)
-    ceiling = _ceiling(hosts, args, model)
-    step_seconds = _BATCH / (ceiling / hosts.count)  # one rank's step, alone
-    log(f"{hosts.count} hosts, {model}: ceiling {ceiling:,.0f} samples/s "
+    """The jobs of one (hosts, link, model) cell: [{label, rate, of_ceiling, ...}]. The
+    ceiling is measured before the first job and after each: the machine's pace drifts over a
+    cell's minutes (13 % in one here), and each job's share is of the mean of the two
+    ceilings beside it."""
+
+    def ceiling_now():
+        hosts.shape(None)
+        quiet_wait(120, log=log)
+        out = _ceiling(hosts, args, model)
+        hosts.shape(mbit)
+        return out
+
+    ceilings = [ceiling_now()]
+    step_seconds = _BATCH / (ceilings[0] / hosts.count)  # one rank's step, alone
+    log(f"{hosts.count} hosts, {model}: ceiling {ceilings[0]:,.0f} samples/s "
         f"({1000 * step_seconds:.2f} ms a step)")  # fmt: skip
-    hosts.shape(mbit)
     rows = []
     try:
         for label, flags in plan(args.every, args.modes)[1:]:
             if args.jobs and args.jobs not in label:
                 continue
-            # auto's epochs as long as its cap's job: an epoch shorter than a round would
-            # exchange at its end alone, whatever H it chose.
+            # Every exchange-less job's epochs as long as the cap's (auto's too: an epoch
+            # shorter than a round would exchange at its end alone, whatever H it chose), so
+            # that their rows compare the same epochs.
             h = _h(label)[0] or CAP
-            guess = ceiling * predicted(label, model, hosts.count, mbit, step_seconds, h)
+            h = CAP if h > 1 else h
+            guess = ceilings[0] * predicted(label, model, hosts.count, mbit, step_seconds, h)
             samples = samples_for(guess, args.seconds, hosts.count, h)
             metrics = os.path.join(args.out, f"{hosts.count}h-{mbit}-{model}-{label}.json")
             metrics = metrics.replace(" ", "_")
@@ -202,11 +218,14 @@ def _cell(hosts, args, model, mbit, log):
                 log(f"  {label}: failed: {str(e)[:300]}")
                 rows.append({"label": label, "error": str(e)[:2000]})
                 continue
+            ceilings.append(ceiling_now())
+            ceiling = (ceilings[-2] + ceilings[-1]) / 2
             sync = m.get("sync") or {}
             chosen = (sync.get("auto") or {}).get("chosen")
             row = {
-                "label": label, "rate": rate, "of_ceiling": rate / ceiling, "samples": samples,
-                "hidden": sync.get("exchange_hidden"), "auto": sync.get("auto"),
+                "label": label, "rate": rate, "ceiling": ceiling, "of_ceiling": rate / ceiling,
+                "samples": samples, "hidden": sync.get("exchange_hidden"),
+                "auto": sync.get("auto"),
                 "bytes_per_sample": wire_bytes_per_sample(sync, model, hosts.count, samples,
                                                           args.epochs, "fp16" in label),
                 "predicted": projected(label, model, hosts.count, mbit, step_seconds, samples,
@@ -216,11 +235,17 @@ def _cell(hosts, args, model, mbit, log):
             rows.append(row)
             log(
                 f"  {label}: {rate:,.0f} samples/s, {row['of_ceiling']:.2f} of the ceiling "
-                f"(projected {row['predicted']:.2f})" + (f", H={chosen}" if chosen else "")
+                f"beside it ({ceiling:,.0f}; projected {row['predicted']:.2f})"
+                + (f", H={chosen}" if chosen else "")
             )
     finally:
         hosts.shape(None)
-    return {"ceiling": ceiling, "step_seconds": step_seconds, "jobs": rows}
+    return {
+        "ceiling": statistics.median(ceilings),
+        "ceilings": ceilings,
+        "step_seconds": step_seconds,
+        "jobs": rows,
+    }
 
 
 def markdown(cells):
@@ -235,8 +260,9 @@ def markdown(cells):
                    "projection's figure), exchanged bytes per sample a rank:\n")  # fmt: skip
         head = " | ".join(f"{m} Mbit/s" for m in links)
         out += [f"| job | {head} |", "|---" * (len(links) + 1) + "|"]
-        out.append("| ceiling, samples/s | " +
-                   " | ".join(f"{c['ceiling']:,.0f}" for c in group) + " |")  # fmt: skip
+        out.append("| ceiling, samples/s: median (least-most) | " + " | ".join(
+            f"{c['ceiling']:,.0f} ({min(c.get('ceilings', [c['ceiling']])):,.0f}-"
+            f"{max(c.get('ceilings', [c['ceiling']])):,.0f})" for c in group) + " |")  # fmt: skip
         labels = [j["label"] for j in group[0]["jobs"]]
         for label in labels:
             cols = []
