@@ -767,8 +767,10 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
     assert auto.measured["slowed_ratio"] == 8.0 and auto.measured["beside_seconds"] == 0.125
     auto.exchange_seconds = [1.0]
-    auto.time_steps(0.115, beside=True)  # none alone: the steps beside it
-    assert auto.choose(lambda xs: xs, step=20) == 16 and not auto.measured["steps_alone"]
+    auto.time_steps(0.125, beside=True)  # none alone: the steps beside it, the share timed last
+    assert auto.choose(lambda xs: xs, step=20) == 64 and not auto.measured["steps_alone"]
+    assert auto.measured["slowed_ratio"] == 4.0  # 8 steps of 0.125 s, half of it: 4 <= 7.1
+    auto.slowed = 0.0
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.0625, beside=False)
     # Another rank waited 0.25 s for the same exchange: 4 steps; 4 <= 0.75 x 8.
@@ -777,7 +779,7 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     auto.exchange_seconds = [1e3] * 3
     auto.time_steps(0.0625, beside=False)
     assert auto.choose(lambda xs: xs, step=40) == 256 and auto.capped
-    assert auto.choices == [[5, 32], [10, 128], [20, 16], [30, 8], [40, 256]]
+    assert auto.choices == [[5, 32], [10, 128], [20, 64], [30, 8], [40, 256]]
     # Again at an epoch's end, once PROBE exchanges were timed since the last choice.
     auto.exchange_seconds = [1.0]
     assert not auto.due(epoch_end=True)

@@ -22,7 +22,8 @@ flight takes. They take the smallest H for which
   `MARGINS[False]` of a round, as a blocking exchange's wait is: their wait at each exchange
   point (its own work: sending the change, landing the last mean) and the time it takes
   from the steps beside it (on a rank's one core its copies and reductions share the CPU
-  with them: the steps timed beside it against those timed alone),
+  with them: the steps timed beside it against those timed alone; where every step ran
+  beside one, as in rounds of one execution, the share timed last),
 
 up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
 cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
@@ -79,6 +80,7 @@ class AutoEvery:
         self.beside_seconds = []  # the same, of executions beside an exchange in flight
         self.exchange_seconds = []  # each exchange's seconds since the last choice
         self.blocked_seconds = []  # overlapped: the steps' wait at each exchange point
+        self.slowed = 0.0  # the share of a step's pace an exchange in flight took, last timed
         self.chosen = None  # the H in force once measured, else None
         self.measured = None  # what the last choice was made from
         self.capped = False  # whether no H fitted and the cap was taken
@@ -111,10 +113,12 @@ class AutoEvery:
         own = statistics.median(steps) if steps else 0.0
         beside = statistics.median(self.beside_seconds) if self.beside_seconds else 0.0
         # The share of a step's pace an exchange in flight takes, timed where steps ran both
-        # alone and beside one: its in-flight seconds cost the steps as much of theirs.
-        slowed = max(0.0, 1 - own / beside) if self.step_seconds and beside > 0 else 0.0
+        # alone and beside one: its in-flight seconds cost the steps as much of theirs. Where
+        # every step ran beside one (a round of one execution), the share timed last.
+        if self.step_seconds and beside > 0:
+            self.slowed = max(0.0, 1 - own / beside)
         ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
-        agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], slowed])]
+        agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], self.slowed])]
         ratio, blocked_ratio, slowed = -agreed[0], -agreed[1], agreed[2]  # (the smallest: -max(-x))
         slowed_ratio = ratio * slowed
         h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio, slowed_ratio)

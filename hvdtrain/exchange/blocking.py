@@ -32,13 +32,8 @@ class Blocking:
 
     def begin(self):
         """At every (re)start: traced anew, the anchor at the weights."""
-        self.retrace()
+        self._exchange_fn = None  # an elastic reset's job is another: traced anew
         self.start_round()
-
-    def retrace(self):
-        """The exchange traced anew at its next call: a trace holds DiLoCo's outer rate,
-        which an elastic reset or a new H refits."""
-        self._exchange_fn = None
 
     def take_timings(self):
         """The seconds of each exchange since the last call."""

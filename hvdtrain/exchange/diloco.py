@@ -92,14 +92,16 @@ class DiLoCo:
         self.outer_lr, self.outer_from = cfg.outer_lr, "--outer-lr"
         self.outer = None  # `OuterState`, by `attach`
         self.steps = None  # `OuterSteps`, by `attach`
+        # The rate and momentum as the exchange's trace reads them: variables, so that a new
+        # H (`--sync-every auto`) refits them without a trace (seconds for the convnet).
+        self.traced = None
 
     def attach(self, replica):
         self.outer = OuterState(replica.weights)
         self.steps = OuterSteps()
+        self.traced = [tf.Variable(0.0, trainable=False) for _ in range(2)]
 
     def begin(self, ranks, every, exchanges=None):
-        """As `LocalSGD.begin`; True where the outer rate or momentum (traced) changed."""
-        before = (self.outer_lr, self.momentum)
         self.every = every
         if self.fitted:
             self.momentum = outer_momentum(exchanges)
@@ -111,31 +113,32 @@ class DiLoCo:
             bool(tf.reduce_any(m != 0)) for m in self.outer.momentum
         ):  # a checkpoint written before the correction: its momentum is at its steady state
             self.steps.count.assign(1000)
-        return (self.outer_lr, self.momentum) != before
+        self.traced[0].assign(self.outer_lr)
+        self.traced[1].assign(self.momentum)
 
     def holders(self):
         return {"exchange_outer": self.outer, "exchange_outer_steps": self.steps}
 
     def _unbias(self, steps):
-        """1 / (1 - momentum^steps): the bias correction after `steps` outer steps."""
-        mu = tf.constant(self.momentum, tf.float32)
-        return 1.0 / (1.0 - tf.pow(mu, tf.cast(steps, tf.float32)))
+        """1 / (1 - momentum^steps): the bias correction after `steps` (1 or more) outer
+        steps; 1 at momentum 0."""
+        return 1.0 / (1.0 - tf.pow(self.traced[1], tf.cast(steps, tf.float32)))
 
     def default_warmup(self, lr_warmup_steps):
         return 0
 
     def move_anchor(self, anchor, mean):
         """Nesterov SGD on the pseudo-gradient `mean`, as torch.optim.SGD(nesterov=True)."""
-        mu, lr = self.momentum, self.outer_lr
-        unbias = self._unbias(self.steps.count.assign_add(1)) if mu else 1.0
+        lr, mu = self.traced
+        unbias = self._unbias(self.steps.count.assign_add(1))
         for a, m, d in zip(anchor, self.outer.momentum, mean, strict=True):
             m.assign(mu * m + d)
             a.assign_sub(lr * (d + mu * m * tf.cast(unbias, m.dtype)))
 
     def stand_in(self, anchor, own):
         """The outer step on `own` as if it were the ranks' mean, its momentum left as is."""
-        mu, lr = self.momentum, self.outer_lr
-        unbias = self._unbias(self.steps.count + 1) if mu else 1.0
+        lr, mu = self.traced
+        unbias = self._unbias(self.steps.count + 1)
         return [
             a - lr * (d + mu * (mu * m + d) * tf.cast(unbias, m.dtype))
             for a, m, d in zip(anchor, self.outer.momentum, own, strict=True)

@@ -57,16 +57,11 @@ class InFlight:
 
     def begin(self):
         """At every (re)start: nothing in flight (an elastic reset: the old job's exchange
-        is gone with it), traced anew (DiLoCo's outer rate), a round from the weights."""
+        is gone with it), traced anew, a round from the weights."""
         self.pending = None
         self.asking, self.verdict = False, None
-        self.retrace()
+        self._point_fn = None  # an elastic reset's job is another: traced anew
         self.start_round()
-
-    def retrace(self):
-        """The exchange point traced anew at its next call: a trace holds DiLoCo's outer
-        rate, which an elastic reset or a new H refits."""
-        self._point_fn = None
 
     def take_timings(self):
         """The seconds of each exchange (in its thread) landed since the last call."""

@@ -26,9 +26,7 @@ class LocalSGD:
 
     def begin(self, ranks, every, exchanges=None):
         """At every (re)start, and where H changes (`--sync-every auto`): the job's number of
-        `ranks`, H, and the run's number of exchanges (None: unknown). Returns whether what
-        an exchange traces changed with them (no: its trace is kept)."""
-        return False
+        `ranks`, H, and the run's number of exchanges (None: unknown)."""
 
     def holders(self):
         """{name: the state it keeps beside the model}: none."""

@@ -346,10 +346,9 @@ class Rounds:
 
         before, h = self.every, self.auto.choose(agree_max, r.step)
         self.state.every.assign(h)  # checkpointed: a resume goes on with it
-        if h != before:  # a trace costs seconds (the convnet's): only for a new H
+        if h != before:
             self.every = h
-            if self.mode.begin(hvd.size(), h, self._exchanges()):  # DiLoCo's rule follows H
-                self.averager.retrace()
+            self.mode.begin(hvd.size(), h, self._exchanges())  # DiLoCo's rule follows H
             self.sharing.plan(self.every, self.unit, self.warmup)  # (balanced: the next epoch's)
         said = self.auto.said(before)
         logs.get_logger(hvd.rank()).info("--sync-every auto at step %d: %s", r.step, said)
