@@ -746,6 +746,9 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
     assert projected("local H=64 overlap fp16", "mlp", 2, 100, step, samples) > overlapped
     one_round = projected("local H=256 overlap", "mlp", 2, 100, step, samples)
     assert one_round == projected("local H=256", "mlp", 2, 100, step, samples)  # nothing hidden
+    # An epoch of a round and a shorter one: an exchange at its 256th step and its last.
+    longer = projected("local H=256", "mlp", 2, 100, step, 2 * 64 * 464)
+    assert longer == pytest.approx(464 * step / (464 * step + 2 * mb))
 
 
 @pytest.mark.slow

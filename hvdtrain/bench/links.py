@@ -108,7 +108,7 @@ def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
     if h == 1:
         return step_seconds / (step_seconds + x)
     steps = samples // (ranks * _BATCH)
-    rounds = max(1, steps // h)
+    rounds = max(1, -(-steps // h))  # an exchange at each H-th step, and the epoch's last
     wait = max(0.0, x - h * step_seconds) if overlap else x
     work = steps * step_seconds
     return work / (work + (rounds - 1) * wait + x)
