@@ -3,12 +3,13 @@
     hvdtrain-run --hostfile hosts.txt -- python train.py --sync local --sync-every auto
 
 The run starts at the smallest candidate H (a multiple of its steps per execution, 16 by
-default) and times what it does: each local step (Keras's executions, the first of an epoch
-left out) and each exchange (blocking: the steps' wait for it; overlapped: the exchange's own
-time in its thread). Under the overlap a step is timed apart while an exchange is in flight
-beside it, sharing the CPU with it (the convnet's step on this machine: 62 ms alone, 115 ms
-beside one): the rule takes the steps timed alone (those beside one where none ran alone),
-since a step slowed by the exchange makes the exchange look shorter than the round it costs.
+default) of more than one execution (32 by default) and times what it does: each local
+step (Keras's executions, the first of an epoch left out) and each exchange (blocking: the
+steps' wait for it; overlapped: the exchange's own time in its thread). Under the overlap
+a step is timed apart while an exchange is in flight beside it, sharing the CPU with it
+(the convnet's step on this machine: 62 ms alone, 115 ms beside one): the rule takes the
+steps timed alone (those beside one where none ran alone), since a step slowed by the
+exchange makes the exchange look shorter than the round it costs.
 After its first `PROBE` exchanges, and again at an epoch's end once `PROBE` more are timed
 (unless `--deterministic`), the ranks agree on what an exchange costs, in steps: the
 smallest of their ratios of its time to a step's (the rank that reaches an exchange last
@@ -87,9 +88,12 @@ class AutoEvery:
         self.choices = []  # [[global step, H]] of every choice
 
     def start(self, unit):
-        """The candidates for executions of `unit` steps; returns the H to start from."""
+        """The candidates for executions of `unit` steps; returns the H to start from: the
+        smallest candidate of more than one execution, so that a step may run with no
+        exchange beside it and the exchange's cost to the steps beside it be timed."""
         self.options = candidates(unit)
-        return self.chosen or self.options[0]
+        longer = [h for h in self.options if h > unit]
+        return self.chosen or (longer or self.options)[0]
 
     def due(self, epoch_end):
         """Whether to choose now (the same on every rank: it counts exchanges only)."""
