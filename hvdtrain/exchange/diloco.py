@@ -129,20 +129,20 @@ class DiLoCo:
 
     def move_anchor(self, anchor, mean):
         """Nesterov SGD on the pseudo-gradient `mean`, as torch.optim.SGD(nesterov=True)."""
-        lr, mu = self.traced
         unbias = self._unbias(self.steps.count.assign_add(1))
         for a, m, d in zip(anchor, self.outer.momentum, mean, strict=True):
+            lr, mu = (tf.cast(v, m.dtype) for v in self.traced)  # (a model of float64, too)
             m.assign(mu * m + d)
             a.assign_sub(lr * (d + mu * m * tf.cast(unbias, m.dtype)))
 
     def stand_in(self, anchor, own):
         """The outer step on `own` as if it were the ranks' mean, its momentum left as is."""
-        lr, mu = self.traced
         unbias = self._unbias(self.steps.count + 1)
-        return [
-            a - lr * (d + mu * (mu * m + d) * tf.cast(unbias, m.dtype))
-            for a, m, d in zip(anchor, self.outer.momentum, own, strict=True)
-        ]
+        out = []
+        for a, m, d in zip(anchor, self.outer.momentum, own, strict=True):
+            lr, mu = (tf.cast(v, m.dtype) for v in self.traced)
+            out.append(a - lr * (d + mu * (mu * m + d) * tf.cast(unbias, m.dtype)))
+        return out
 
     def describe(self):
         out = f", outer lr {self.outer_lr:g} ({self.outer_from}) momentum {self.momentum:g}"
