@@ -205,8 +205,7 @@ def _cell(hosts, args, model, mbit, log):
             # Every exchange-less job's epochs as long as the cap's (auto's too: an epoch
             # shorter than a round would exchange at its end alone, whatever H it chose), so
             # that their rows compare the same epochs.
-            h = _h(label)[0] or CAP
-            h = CAP if h > 1 else h
+            h = 1 if _h(label)[0] == 1 else CAP  # (the synchronous job: its own)
             guess = ceilings[0] * predicted(label, model, hosts.count, mbit, step_seconds, h)
             samples = samples_for(guess, args.seconds, hosts.count, h)
             metrics = os.path.join(args.out, f"{hosts.count}h-{mbit}-{model}-{label}.json")
