@@ -724,8 +724,8 @@ def test_dilocos_momentum_fits_the_runs_exchanges_and_its_rate_keeps_the_step():
 
 def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     """docs/exchanging-less.md, `--sync-every auto`: candidates are powers of two times the
-    steps per execution from 4 to the cap; blocking, the exchange is at most a tenth of a
-    round; overlapped, at most 3/4 of its steps in flight and a tenth waited; none fits: the
+    steps per execution from 4 to the cap; blocking, the exchange is at most 5 % of a round;
+    overlapped, at most 3/4 of its steps in flight and 5 % waited; none fits: the
     cap, and it says so."""
     from hvdtrain.exchange.auto import CAP, candidates, choose
 
@@ -734,13 +734,13 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     options = candidates(1)
     assert choose(3.0, options, overlap=True) == (4, False)  # 3 <= 0.75 x 4
     assert choose(40.0, options, overlap=True) == (64, False)
-    assert choose(3.0, options, overlap=False) == (32, False)  # 3 <= 0.1/0.9 x 32
+    assert choose(3.0, options, overlap=False) == (64, False)  # 3 <= 0.05/0.95 x 64
     assert choose(1e6, options, overlap=True) == (CAP, True)
     # Overlapped, what the steps still wait for at the point keeps to the blocking margin.
-    assert choose(3.0, options, overlap=True, blocked=3.0) == (32, False)  # 3 <= 0.1/0.9 x 32
+    assert choose(3.0, options, overlap=True, blocked=3.0) == (64, False)  # 3 <= 0.05/0.95 x 64
     assert choose(40.0, options, overlap=True, blocked=1.0) == (64, False)
     # ... with the steps' time it takes from the steps beside it (copies on one core).
-    assert choose(40.0, options, overlap=True, blocked=1.0, slowed=8.0) == (128, False)
+    assert choose(40.0, options, overlap=True, blocked=1.0, slowed=4.0) == (128, False)
 
 
 def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
@@ -759,17 +759,17 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     assert auto.choose(lambda xs: xs, step=5) == 32  # 16 steps alone: 16 <= 0.75 x 32
     assert auto.measured["slowed_ratio"] == 0.0
     auto.exchange_seconds = [1.0, 1.0, 1.0]
-    for seconds, beside in [(0.125, True)] * 6 + [(0.0625, False)] * 2:
+    for seconds, beside in [(0.09375, True)] * 6 + [(0.0625, False)] * 2:
         auto.time_steps(seconds, beside)
-    # Beside it a step takes twice as long: the 1 s in flight cost the steps 0.5 s, 8 steps
-    # of theirs, which a round must pay within a tenth: 8 <= 0.1/0.9 x 128.
+    # Beside it a step takes 1.5 times as long: the 1 s in flight cost the steps a third of
+    # it, 5.3 steps of theirs, which a round must pay within 5 %: 5.3 <= 0.05/0.95 x 128.
     assert auto.choose(lambda xs: xs, step=10) == 128
     assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
-    assert auto.measured["slowed_ratio"] == 8.0 and auto.measured["beside_seconds"] == 0.125
+    assert auto.measured["slowed_ratio"] == 5.333 and auto.measured["beside_seconds"] == 0.09375
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.125, beside=True)  # none alone: the steps beside it, the share timed last
     assert auto.choose(lambda xs: xs, step=20) == 64 and not auto.measured["steps_alone"]
-    assert auto.measured["slowed_ratio"] == 4.0  # 8 steps of 0.125 s, half of it: 4 <= 7.1
+    assert auto.measured["slowed_ratio"] == 2.667  # 8 steps of 0.125 s, a third: 2.7 <= 3.4
     auto.slowed = 0.0
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.0625, beside=False)
