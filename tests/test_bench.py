@@ -720,7 +720,14 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
     in whole rounds, the bytes per sample from the metrics JSON, and the projection with the
     epoch's shape: the whole exchange at its end (the weights: no checkpoint follows, so not
     Adam's moments), in-flight rounds that wait only for what their steps did not cover."""
-    from hvdtrain.bench.links import PARAMS, plan, projected, samples_for, wire_bytes_per_sample
+    from hvdtrain.bench.links import (
+        PARAMS,
+        markdown,
+        plan,
+        projected,
+        samples_for,
+        wire_bytes_per_sample,
+    )
 
     labels = [label for label, _ in plan([16], ["local"])]
     assert labels == ["ceiling", "step", "step fp16", "local H=16", "local H=16 overlap",
@@ -736,19 +743,33 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
     assert wire_bytes_per_sample(sync, "mlp", 2, 100, 2) == pytest.approx(10.0)
 
     step, mb = 0.001, PARAMS["mlp"] * 4 / (100e6 / 8)  # a step; the weights over 100 Mbit/s
+    rates = [64 / step] * 2  # each host's samples/s alone
     samples = 2 * 64 * 64 * 4  # 4 rounds of H=64 an epoch
-    assert projected("step", "mlp", 2, 100, step, samples) == pytest.approx(step / (step + mb))
-    blocking = projected("local H=64", "mlp", 2, 100, step, samples)
+    assert projected("step", "mlp", 100, rates, samples) == pytest.approx(step / (step + mb))
+    blocking = projected("local H=64", "mlp", 100, rates, samples)
     assert blocking == pytest.approx(256 * step / (256 * step + 3 * mb + mb))
-    overlapped = projected("local H=64 overlap", "mlp", 2, 100, step, samples)
+    overlapped = projected("local H=64 overlap", "mlp", 100, rates, samples)
     assert mb > 64 * step  # 86 ms against a round's 64: 22 ms a round not hidden
     assert overlapped == pytest.approx(256 * step / (256 * step + 3 * (mb - 0.064) + mb))
-    assert projected("local H=64 overlap fp16", "mlp", 2, 100, step, samples) > overlapped
-    one_round = projected("local H=256 overlap", "mlp", 2, 100, step, samples)
-    assert one_round == projected("local H=256", "mlp", 2, 100, step, samples)  # nothing hidden
+    assert projected("local H=64 overlap fp16", "mlp", 100, rates, samples) > overlapped
+    one_round = projected("local H=256 overlap", "mlp", 100, rates, samples)
+    assert one_round == projected("local H=256", "mlp", 100, rates, samples)  # nothing hidden
     # An epoch of a round and a shorter one: an exchange at its 256th step and its last.
-    longer = projected("local H=256", "mlp", 2, 100, step, 2 * 64 * 464)
+    longer = projected("local H=256", "mlp", 100, rates, 2 * 64 * 464)
     assert longer == pytest.approx(464 * step / (464 * step + 2 * mb))
+    # Hosts of unequal pace: the job steps at the slower one's, of their summed ceiling.
+    slow = projected("local H=256", "mlp", 100, [64 / step, 64 / (1.5 * step)], 2 * 64 * 464)
+    work = 464 * 1.5 * step
+    assert slow == pytest.approx(2 / 2.5 * work / (work + 2 * mb))
+    # The tables give the link's own allreduce beside the model, and the hosts' pace.
+    cell = {"hosts": 2, "model": "mlp", "mbit": 100, "ceiling": 100.0, "ceilings": [100.0],
+            "hosts_rates": [[60.0, 40.0]], "wire": {"float32": {"measured": 0.09,
+                                                                "modelled": 0.086}},
+            "jobs": [{"label": "step", "rate": 10.0, "of_ceiling": 0.1, "predicted": 0.1,
+                      "bytes_per_sample": 5.0}]}  # fmt: skip
+    md = markdown([cell])
+    assert "| the weights' allreduce, ms: measured (modelled) | 90.0 (86.0) |" in md
+    assert "| hosts' pace: the slowest x hosts, of the ceiling: median | 0.80 |" in md
 
 
 @pytest.mark.slow

@@ -20,7 +20,9 @@ each job's samples are sized from the projection so that its epochs take about `
 Beside each: of the ceiling, the share of the exchange's time hidden (overlapped jobs), the
 bytes each rank puts on its link per sample it trains, and the projection's figure for the
 same link (`projected`: the ring model of `hvdtrain.bench.project` with the epoch's rounds
-and its whole exchange at the end, from the ceiling's step and the bytes).
+and its whole exchange at the end, from the bytes and each host's rate in the ceilings
+beside the job: the ranks meet at every exchange, so a job steps at its slowest host's
+pace, which the tables' "hosts' pace" row gives as a share of the ceiling).
 `links.json` (every job's figures) and `links.md` (the tables) go to `--out`. The machine's
 cores are shared by every host: three ranks on two cores compute slower than two, in the
 ceiling as in the jobs.
@@ -39,6 +41,7 @@ from hvdtrain.bench.modes import epoch_rates, steady
 from hvdtrain.bench.netns import NamespaceHosts, cannot_make_namespaces
 from hvdtrain.bench.project import GBIT, efficiency, ring_allreduce_seconds
 from hvdtrain.bench.runner import quiet_wait
+from hvdtrain.bench.workers import MARKER
 from hvdtrain.errors import HvdtrainError, invalid_value
 from hvdtrain.errors import main as cli_main
 from hvdtrain.exchange.auto import CAP
@@ -93,25 +96,31 @@ def predicted(label, model, ranks, mbit, step_seconds, every=None):
     return efficiency(step_seconds, nbytes, ranks, mbit * GBIT / 1000, h, overlap)
 
 
-def projected(label, model, ranks, mbit, step_seconds, samples, every=None):
-    """The projection of a job's share of the ceiling over its epochs: the ring model of
-    `hvdtrain.bench.project` with the epoch's shape, `samples` an epoch in all. The
-    synchronous job sends the gradient every step; local SGD and DiLoCo send the weights at
-    each of the epoch's rounds but its last, blocking or in flight (a round then waits for
-    what of the exchange its H steps did not cover), and at the epoch's end the whole
-    exchange, blocking (the weights: the jobs write no checkpoint, before which Adam's two
-    moments would go too, `exchange.rounds`). Pure."""
+def projected(label, model, mbit, rates, samples, every=None):
+    """The projection of a job's share of the ceiling over its epochs, from `rates`: each
+    host's samples/s alone (the ceiling beside the job, one per rank). The ranks meet at
+    every exchange, so the job steps at its slowest host's pace: `len(rates)` x the least
+    rate of their sum, times the ring model of `hvdtrain.bench.project` with the epoch's
+    shape at that host's step, `samples` an epoch in all. The synchronous job sends the
+    gradient every step; local SGD and DiLoCo send the weights at each of the epoch's rounds
+    but its last, blocking or in flight (a round then waits for what of the exchange its H
+    steps did not cover), and at the epoch's end the whole exchange, blocking (the weights:
+    the jobs write no checkpoint, before which Adam's two moments would go too,
+    `exchange.rounds`). Pure."""
     h, overlap = _h(label)
     h = every or h or 16
+    ranks, slowest = len(rates), min(rates)
+    pace = ranks * slowest / sum(rates)
+    step_seconds = _BATCH / slowest
     per = PARAMS[model] * (2 if "fp16" in label else 4)
     x = ring_allreduce_seconds(per, ranks, mbit * GBIT / 1000)
     if h == 1:
-        return step_seconds / (step_seconds + x)
+        return pace * step_seconds / (step_seconds + x)
     steps = samples // (ranks * _BATCH)
     rounds = max(1, -(-steps // h))  # an exchange at each H-th step, and the epoch's last
     wait = max(0.0, x - h * step_seconds) if overlap else x
     work = steps * step_seconds
-    return work / (work + (rounds - 1) * wait + x)
+    return pace * work / (work + (rounds - 1) * wait + x)
 
 
 def samples_for(rate, seconds, ranks, every, least=2048, most=60_000):
@@ -145,7 +154,8 @@ def _mnist(args, model, samples, extra):
 
 
 def _ceiling(hosts, args, model):
-    """Every host trains its share alone, all at once: their rates summed."""
+    """Every host trains its share alone, all at once: each host's rate (their sum is the
+    ceiling)."""
     share = args.ceiling_samples // hosts.count
     procs = [
         subprocess.Popen(hosts.inside(i, _mnist(args, model, share, [])), env=hosts.env(**_ENV),
@@ -161,7 +171,35 @@ def _ceiling(hosts, args, model):
                 f"the ceiling's job failed (exit {proc.returncode}): {text[-1500:]}"
             )
         rates.append(rate)
-    return sum(rates)
+    return rates
+
+
+def _rates(rates):
+    return " + ".join(f"{r:,.0f}" for r in rates)
+
+
+def _wire(hosts, args, model, mbit):
+    """The link's own figure: a Horovod allreduce of the model's weights (float32 and
+    float16) between the hosts over the shaped link (`hvdtrain.bench.allreduce`, median of
+    back-to-back calls), beside the ring model's seconds for the same bytes."""
+    nbytes = [PARAMS[model] * 4, PARAMS[model] * 2]
+    run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
+    argv = [run, "--backend", args.backend, "-H", hosts.hostlist(1), "--", sys.executable,
+            "-m", "hvdtrain.bench.allreduce", "--sizes", ",".join(map(str, nbytes))]  # fmt: skip
+    proc = hosts.run(0, argv, timeout=args.timeout, **_ENV)
+    got = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if MARKER in line:
+            r = json.loads(line.partition(MARKER)[2])
+            got[r["bytes"]] = r["seconds"]
+    if proc.returncode != 0 or len(got) != len(nbytes):
+        raise HvdtrainError(f"the link's allreduce failed (exit {proc.returncode}): "
+                            f"{(proc.stdout + proc.stderr)[-1500:]}")  # fmt: skip
+    return {
+        name: {"bytes": n, "measured": got[n],
+               "modelled": ring_allreduce_seconds(n, hosts.count, mbit * GBIT / 1000)}
+        for name, n in zip(("float32", "float16"), nbytes, strict=True)
+    }  # fmt: skip
 
 
 def _job(hosts, args, model, samples, flags, metrics):
@@ -193,12 +231,17 @@ def _cell(hosts, args, model, mbit, log):
         hosts.shape(mbit)
         return out
 
-    ceilings = [ceiling_now()]
+    hosts_rates = [ceiling_now()]  # each ceiling's rate of every host
+    ceilings = [sum(hosts_rates[0])]
     step_seconds = _BATCH / (ceilings[0] / hosts.count)  # one rank's step, alone
     log(f"{hosts.count} hosts, {model}: ceiling {ceilings[0]:,.0f} samples/s "
-        f"({1000 * step_seconds:.2f} ms a step)")  # fmt: skip
+        f"({1000 * step_seconds:.2f} ms a step; hosts {_rates(hosts_rates[0])})")  # fmt: skip
     rows = []
     try:
+        wire = _wire(hosts, args, model, mbit)
+        log("  the weights' allreduce: " + ", ".join(
+            f"{k} {1000 * w['measured']:.1f} ms (modelled {1000 * w['modelled']:.1f})"
+            for k, w in wire.items()))  # fmt: skip
         for label, flags in plan(args.every, args.modes)[1:]:
             if args.jobs and args.jobs not in label:
                 continue
@@ -217,8 +260,10 @@ def _cell(hosts, args, model, mbit, log):
                 log(f"  {label}: failed: {str(e)[:300]}")
                 rows.append({"label": label, "error": str(e)[:2000]})
                 continue
-            ceilings.append(ceiling_now())
+            hosts_rates.append(ceiling_now())
+            ceilings.append(sum(hosts_rates[-1]))
             ceiling = (ceilings[-2] + ceilings[-1]) / 2
+            beside = [(a + b) / 2 for a, b in zip(*hosts_rates[-2:], strict=True)]
             sync = m.get("sync") or {}
             chosen = (sync.get("auto") or {}).get("chosen")
             row = {
@@ -227,21 +272,23 @@ def _cell(hosts, args, model, mbit, log):
                 "auto": sync.get("auto"),
                 "bytes_per_sample": wire_bytes_per_sample(sync, model, hosts.count, samples,
                                                           args.epochs, "fp16" in label),
-                "predicted": projected(label, model, hosts.count, mbit, step_seconds, samples,
-                                       chosen),
+                "predicted": projected(label, model, mbit, beside, samples, chosen),
+                "hosts_rates": beside,
                 "test_accuracy": m.get("test_accuracy"), "machine": machine,
             }  # fmt: skip
             rows.append(row)
             log(
                 f"  {label}: {rate:,.0f} samples/s, {row['of_ceiling']:.2f} of the ceiling "
-                f"beside it ({ceiling:,.0f}; projected {row['predicted']:.2f})"
-                + (f", H={chosen}" if chosen else "")
+                f"beside it ({ceiling:,.0f}: hosts {_rates(beside)}; projected "
+                f"{row['predicted']:.2f})" + (f", H={chosen}" if chosen else "")
             )
     finally:
         hosts.shape(None)
     return {
         "ceiling": statistics.median(ceilings),
         "ceilings": ceilings,
+        "hosts_rates": hosts_rates,
+        "wire": wire,
         "step_seconds": step_seconds,
         "jobs": rows,
     }
@@ -262,6 +309,21 @@ def markdown(cells):
         out.append("| ceiling, samples/s: median (least-most) | " + " | ".join(
             f"{c['ceiling']:,.0f} ({min(c.get('ceilings', [c['ceiling']])):,.0f}-"
             f"{max(c.get('ceilings', [c['ceiling']])):,.0f})" for c in group) + " |")  # fmt: skip
+        if all(c.get("wire") and c.get("hosts_rates") for c in group):  # (since 2026-12-07)
+            wires = [c["wire"]["float32"] for c in group]
+            out.append(
+                "| the weights' allreduce, ms: measured (modelled) | "
+                + " | ".join(
+                    f"{1000 * w['measured']:.1f} ({1000 * w['modelled']:.1f})" for w in wires
+                )
+                + " |"
+            )
+            paces = [[len(r) * min(r) / sum(r) for r in c["hosts_rates"]] for c in group]
+            out.append(
+                "| hosts' pace: the slowest x hosts, of the ceiling: median | "
+                + " | ".join(f"{statistics.median(p):.2f}" for p in paces)
+                + " |"
+            )
         labels = [j["label"] for j in group[0]["jobs"]]
         for label in labels:
             cols = []
