@@ -748,7 +748,7 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     115 ms beside one): auto's ratio takes the steps timed alone, the others only where no
     step ran alone; the time the exchange takes from the steps beside it is a cost the steps
     pay, as their wait is; and the ranks agree on the smallest exchange (the rank that came
-    last to it waited for the wire alone) and the largest share of a step it takes."""
+    last to it waited for the wire alone) and the most steps' time it takes."""
     from hvdtrain.exchange.auto import AutoEvery
 
     auto = AutoEvery(overlap=True, revisit=True)
@@ -760,16 +760,21 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     assert auto.measured["slowed_ratio"] == 0.0
     auto.exchange_seconds = [1.0, 1.0, 1.0]
     for seconds, beside in [(0.09375, True)] * 6 + [(0.0625, False)] * 2:
-        auto.time_steps(seconds, beside)
-    # Beside it a step takes 1.5 times as long: the 1 s in flight cost the steps a third of
-    # it, 5.3 steps of theirs, which a round must pay within 5 %: 5.3 <= 0.05/0.95 x 128.
+        auto.time_steps(seconds, beside, steps=4)
+    # Beside the 3 exchanges 24 steps took 1.5 times as long, 0.75 s more than alone: 4
+    # steps' time an exchange, which a round must pay within 5 %: 4 <= 0.05/0.95 x 128.
     assert auto.choose(lambda xs: xs, step=10) == 128
     assert auto.measured["step_seconds"] == 0.0625 and auto.measured["steps_alone"]
-    assert auto.measured["slowed_ratio"] == 5.333 and auto.measured["beside_seconds"] == 0.09375
+    assert auto.measured["slowed_ratio"] == 4.0 and auto.measured["beside_seconds"] == 0.09375
+    auto.exchange_seconds = [1.0, 1.0, 1.0]
+    for seconds, beside in [(0.0625, True)] * 2 + [(0.0625, False)] * 2:
+        auto.time_steps(seconds, beside, steps=16)  # a long exchange that starves, not slows
+    assert auto.choose(lambda xs: xs, step=15) == 32 and auto.measured["slowed_ratio"] == 0.0
+    auto.slowed = 4.0
     auto.exchange_seconds = [1.0]
-    auto.time_steps(0.125, beside=True)  # none alone: the steps beside it, the share timed last
-    assert auto.choose(lambda xs: xs, step=20) == 64 and not auto.measured["steps_alone"]
-    assert auto.measured["slowed_ratio"] == 2.667  # 8 steps of 0.125 s, a third: 2.7 <= 3.4
+    auto.time_steps(0.125, beside=True)  # none alone: the steps beside it, the cost timed last
+    assert auto.choose(lambda xs: xs, step=20) == 128 and not auto.measured["steps_alone"]
+    assert auto.measured["slowed_ratio"] == 4.0  # 4 <= 0.05/0.95 x 128
     auto.slowed = 0.0
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.0625, beside=False)
@@ -779,7 +784,7 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     auto.exchange_seconds = [1e3] * 3
     auto.time_steps(0.0625, beside=False)
     assert auto.choose(lambda xs: xs, step=40) == 256 and auto.capped
-    assert auto.choices == [[5, 32], [10, 128], [20, 64], [30, 8], [40, 256]]
+    assert auto.choices == [[5, 32], [10, 128], [15, 32], [20, 128], [30, 8], [40, 256]]
     # Again at an epoch's end, once PROBE exchanges were timed since the last choice.
     auto.exchange_seconds = [1.0]
     assert not auto.due(epoch_end=True)

@@ -14,8 +14,8 @@ After its first `PROBE` exchanges, and again at an epoch's end once `PROBE` more
 (unless `--deterministic`), the ranks agree on what an exchange costs, in steps: the
 smallest of their ratios of its time to a step's (the rank that reaches an exchange last
 waits for the wire alone, the others for it too: a rank slower than another by a share of
-its steps stays so at any H), and the largest share of a step's pace that an exchange in
-flight takes. They take the smallest H for which
+its steps stays so at any H), and the most steps' time that an exchange in flight takes
+from the steps beside it. They take the smallest H for which
 
 - blocking: the exchange is at most `MARGINS[False]` (5 %) of a round (H steps and it): the
   run keeps 0.95 of its steps' pace, the target over a 1 Gbit/s link (issue 71);
@@ -24,8 +24,8 @@ flight takes. They take the smallest H for which
   `MARGINS[False]` of a round, as a blocking exchange's wait is: their wait at each exchange
   point (its own work: sending the change, landing the last mean) and the time it takes
   from the steps beside it (on a rank's one core its copies and reductions share the CPU
-  with them: the steps timed beside it against those timed alone; where every step ran
-  beside one, as in rounds of one execution, the share timed last),
+  with them: what the executions beside it took over the same steps alone, per exchange;
+  where every step ran beside one, as in rounds of one execution, what was timed last),
 
 up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
 cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
@@ -80,9 +80,10 @@ class AutoEvery:
         self.options = []  # the candidates, by `start`
         self.step_seconds = []  # a local step's seconds, per execution timed since the choice
         self.beside_seconds = []  # the same, of executions beside an exchange in flight
+        self.beside_steps = []  # the steps of each of those executions
         self.exchange_seconds = []  # each exchange's seconds since the last choice
         self.blocked_seconds = []  # overlapped: the steps' wait at each exchange point
-        self.slowed = 0.0  # the share of a step's pace an exchange in flight took, last timed
+        self.slowed = 0.0  # the steps' time an exchange in flight took, in steps, last timed
         self.chosen = None  # the H in force once measured, else None
         self.measured = None  # what the last choice was made from
         self.capped = False  # whether no H fitted and the cap was taken
@@ -105,9 +106,12 @@ class AutoEvery:
         # Not on one exchange's time: a choice that moves H on noise costs a trace.
         return epoch_end and self.revisit and len(self.exchange_seconds) >= PROBE
 
-    def time_steps(self, seconds, beside):
-        """An execution's `seconds` per step; `beside`: an exchange was in flight during it."""
+    def time_steps(self, seconds, beside, steps=1):
+        """An execution's `seconds` per step of its `steps`; `beside`: an exchange was in
+        flight during it."""
         (self.beside_seconds if beside else self.step_seconds).append(seconds)
+        if beside:
+            self.beside_steps.append(steps)
 
     def choose(self, agree_max, step):
         """The H the ranks agree on (`agree_max(xs)`: a collective, the largest of each x of
@@ -117,15 +121,20 @@ class AutoEvery:
         steps = self.step_seconds or self.beside_seconds
         own = statistics.median(steps) if steps else 0.0
         beside = statistics.median(self.beside_seconds) if self.beside_seconds else 0.0
-        # The share of a step's pace an exchange in flight takes, timed where steps ran both
-        # alone and beside one: its in-flight seconds cost the steps as much of theirs. Where
-        # every step ran beside one (a round of one execution), the share timed last.
-        if self.step_seconds and beside > 0:
-            self.slowed = max(0.0, 1 - own / beside)
+        # What an exchange in flight takes from the steps beside it, in steps: what the
+        # executions beside one took over the same steps alone, per exchange (timed where
+        # steps ran both alone and beside one; where every step ran beside one, as in a
+        # round of one execution, what was timed last). Not the exchange's time x a share:
+        # an exchange starved of the CPU by the steps runs long and takes little from them.
+        if self.step_seconds and self.beside_seconds and own > 0:
+            lost = sum(
+                max(0.0, s - own) * n
+                for s, n in zip(self.beside_seconds, self.beside_steps, strict=True)
+            )
+            self.slowed = lost / own / len(self.exchange_seconds)
         ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
         agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], self.slowed])]
-        ratio, blocked_ratio, slowed = -agreed[0], -agreed[1], agreed[2]  # (the smallest: -max(-x))
-        slowed_ratio = ratio * slowed
+        ratio, blocked_ratio, slowed_ratio = -agreed[0], -agreed[1], agreed[2]  # (-max(-x))
         h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio, slowed_ratio)
         self.measured = {
             "exchange_seconds": round(exchange, 5),
@@ -143,7 +152,7 @@ class AutoEvery:
             )
         self.chosen = h
         self.choices.append([int(step), h])
-        self.step_seconds, self.beside_seconds = [], []
+        self.step_seconds, self.beside_seconds, self.beside_steps = [], [], []
         self.exchange_seconds, self.blocked_seconds = [], []
         return h
 

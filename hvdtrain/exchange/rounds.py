@@ -288,7 +288,8 @@ class Rounds:
                 beside = self.averager.overlap and (
                     self.tally.exchanges != self._clocked_exchanges or self.averager.busy()
                 )
-                self.auto.time_steps(seconds / (step_in_epoch - self._clocked), beside)
+                steps = step_in_epoch - self._clocked
+                self.auto.time_steps(seconds / steps, beside, steps)
             self._clocked, self._clocked_exchanges = step_in_epoch, self.tally.exchanges
 
     def after_steps(self, global_step, step_in_epoch, steps_per_epoch):
