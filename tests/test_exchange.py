@@ -770,6 +770,10 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     for seconds, beside in [(0.0625, True)] * 2 + [(0.0625, False)] * 2:
         auto.time_steps(seconds, beside, steps=16)  # a long exchange that starves, not slows
     assert auto.choose(lambda xs: xs, step=15) == 32 and auto.measured["slowed_ratio"] == 0.0
+    auto.exchange_seconds = [1.0, 1.0, 1.0]
+    for seconds, beside in [(0.05, True), (0.075, True)] + [(0.0625, False)] * 2:
+        auto.time_steps(seconds, beside, steps=16)  # noise about the steps' pace: no cost
+    assert auto.choose(lambda xs: xs, step=17) == 32 and auto.measured["slowed_ratio"] == 0.0
     auto.slowed = 4.0
     auto.exchange_seconds = [1.0]
     auto.time_steps(0.125, beside=True)  # none alone: the steps beside it, the cost timed last
@@ -784,7 +788,7 @@ def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():
     auto.exchange_seconds = [1e3] * 3
     auto.time_steps(0.0625, beside=False)
     assert auto.choose(lambda xs: xs, step=40) == 256 and auto.capped
-    assert auto.choices == [[5, 32], [10, 128], [15, 32], [20, 128], [30, 8], [40, 256]]
+    assert auto.choices == [[5, 32], [10, 128], [15, 32], [17, 32], [20, 128], [30, 8], [40, 256]]
     # Again at an epoch's end, once PROBE exchanges were timed since the last choice.
     auto.exchange_seconds = [1.0]
     assert not auto.due(epoch_end=True)

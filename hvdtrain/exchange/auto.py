@@ -127,11 +127,10 @@ class AutoEvery:
         # round of one execution, what was timed last). Not the exchange's time x a share:
         # an exchange starved of the CPU by the steps runs long and takes little from them.
         if self.step_seconds and self.beside_seconds and own > 0:
-            lost = sum(
-                max(0.0, s - own) * n
-                for s, n in zip(self.beside_seconds, self.beside_steps, strict=True)
+            lost = sum(  # (signed: the executions' noise cancels, it does not add up)
+                (s - own) * n for s, n in zip(self.beside_seconds, self.beside_steps, strict=True)
             )
-            self.slowed = lost / own / len(self.exchange_seconds)
+            self.slowed = max(0.0, lost) / own / len(self.exchange_seconds)
         ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
         agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], self.slowed])]
         ratio, blocked_ratio, slowed_ratio = -agreed[0], -agreed[1], agreed[2]  # (-max(-x))
