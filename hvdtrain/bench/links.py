@@ -183,10 +183,9 @@ def _wire(hosts, args, model, mbit):
     float16) between the hosts over the shaped link (`hvdtrain.bench.allreduce`, median of
     back-to-back calls), beside the ring model's seconds for the same bytes."""
     nbytes = [PARAMS[model] * 4, PARAMS[model] * 2]
-    run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
-    argv = [run, "--backend", args.backend, "-H", hosts.hostlist(1), "--", sys.executable,
-            "-m", "hvdtrain.bench.allreduce", "--sizes", ",".join(map(str, nbytes))]  # fmt: skip
-    proc = hosts.run(0, argv, timeout=args.timeout, **_ENV)
+    sizes = ",".join(map(str, nbytes))
+    proc = _coupled(hosts, args, [sys.executable, "-m", "hvdtrain.bench.allreduce", "--sizes",
+                                  sizes])  # fmt: skip
     got = {}
     for line in (proc.stdout + proc.stderr).splitlines():
         if MARKER in line:
@@ -202,14 +201,20 @@ def _wire(hosts, args, model, mbit):
     }  # fmt: skip
 
 
-def _job(hosts, args, model, samples, flags, metrics):
+def _coupled(hosts, args, command):
+    """`command` on one rank a host, launched from the first as a user launches it."""
     run = os.path.join(os.path.dirname(sys.executable), "hvdtrain-run")
-    argv = [run, "--backend", args.backend, "-H", hosts.hostlist(1), "--",
-            *_mnist(args, model, samples, ["--metrics-json", metrics, *flags])]  # fmt: skip
-    proc = hosts.run(0, argv, timeout=args.timeout, **_ENV)
+    argv = [run, "--backend", args.backend, "-H", hosts.hostlist(1), "--", *command]
+    return hosts.run(0, argv, timeout=args.timeout, **_ENV)
+
+
+def _job(hosts, args, model, samples, flags, metrics):
+    command = _mnist(args, model, samples, ["--metrics-json", metrics, *flags])
+    proc = _coupled(hosts, args, command)
     rate = steady(epoch_rates(proc.stderr + proc.stdout))
     if proc.returncode != 0 or rate is None:
-        raise HvdtrainError(f"{' '.join(argv[4:])} failed (exit {proc.returncode}): "
+        said = " ".join([hosts.hostlist(1), "--", *command])
+        raise HvdtrainError(f"{said} failed (exit {proc.returncode}): "
                             f"{proc.stderr[-1500:]}")  # fmt: skip
     with open(metrics) as f:
         return rate, json.load(f)
