@@ -148,14 +148,15 @@ def test_init_applies_the_defaults_on_real_ranks(tmp_path):
         "os.write(1, line.encode())  # one write: mpirun tags each write of a rank\n"
     )
     every = len(os.sched_getaffinity(0))
-    out = run_job(2, "mpi", [str(script)]).stdout
+    default = {"HOROVOD_CYCLE_TIME": None}  # not the tests' 1 ms (conftest.job_env)
+    out = run_job(2, "mpi", [str(script)], **default).stdout
     assert out.count(f"0.1 1 True cores {every}") == 2, out  # not bound by default
     out = run_job(2, "gloo", [str(script)], HOROVOD_CYCLE_TIME="2", HVDTRAIN_CPU_BIND="cores")
     share = every // 2 if every == os.cpu_count() else every  # a bound pytest: left alone
     assert out.stdout.count(f"2 1 True cores {share}") == 2, out.stdout  # the user's cycle
-    out = run_job(2, "gloo", [str(script)], RARELY="1")  # as under --sync local/diloco
+    out = run_job(2, "gloo", [str(script)], RARELY="1", **default)  # as under --sync local/diloco
     assert out.stdout.count(f"1 1 True cores {share}") == 2, out.stdout  # bound by default
-    proc = run_job(1, "none", [str(script)])
+    proc = run_job(1, "none", [str(script)], **default)
     assert f"rank 0 None 1 True cores {every}" in proc.stdout, proc.stdout
     assert "TensorFlow started before" not in proc.stderr
     late = tmp_path / "late.py"  # TensorFlow started first: its threads can no longer be set
