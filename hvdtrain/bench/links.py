@@ -62,6 +62,13 @@ PARAMS = {"mlp": 269_322, "convnet": 1_199_882}  # float32 parameters of hvdtrai
 _BATCH = 64
 
 
+# The smoke run's jobs (`--quick`): one of each kind (the synchronous gradient in 32 and 16
+# bits, a fixed H and `auto`, each blocking and overlapped), not `auto` in 16 bits too.
+QUICK_JOBS = (
+    "step", "step fp16", "local H=16", "local H=16 overlap", "local auto", "local auto overlap"
+)  # fmt: skip
+
+
 def plan(every, modes=("local", "diloco"), auto=True):
     """One cell's jobs: [(label, flags)], the ceiling first (flags None). Pure."""
     out = [(CEILING, None), ("step", []), ("step fp16", ["--fp16-allreduce"])]
@@ -248,7 +255,7 @@ def _cell(hosts, args, model, mbit, log):
             f"{k} {1000 * w['measured']:.1f} ms (modelled {1000 * w['modelled']:.1f})"
             for k, w in wire.items()))  # fmt: skip
         for label, flags in plan(args.every, args.modes)[1:]:
-            if args.jobs and args.jobs not in label:
+            if (args.jobs and args.jobs not in label) or (args.quick and label not in QUICK_JOBS):
                 continue
             # Every exchange-less job's epochs as long as the cap's (auto's too: an epoch
             # shorter than a round would exchange at its end alone, whatever H it chose), so
