@@ -1,5 +1,5 @@
-"""The CPU image, built and run for real: one container, two containers as two hosts, and what
-the image holds.
+"""The CPU image, built and run for real: one container, two containers as two hosts (a run,
+then a run whose second container is killed), and what the image holds.
 
 A private Docker daemon (`dockerd --iptables=false --bridge=none`, no networking of its own) is
 started for this module and stopped by its pid. Its layers are kept in ~/.cache/hvdtrain/docker,
@@ -115,7 +115,9 @@ def launch(docker, first, *args):
     ]  # fmt: skip
 
 
-def test_two_containers_train_as_two_hosts(docker, two_hosts):
+def test_two_containers_train_as_two_hosts_and_a_killed_one_ends_the_job(docker, two_hosts):
+    """A whole run across the two containers, then a longer one in the same two, whose second
+    container is killed after its first checkpoint (one pair of containers for both)."""
     names, outs = two_hosts
     proc = sh(launch(docker, names[0], "--model", "mlp", "--epochs", "2"))
     metrics = json.loads((outs[names[0]] / "metrics.json").read_text())
@@ -125,9 +127,7 @@ def test_two_containers_train_as_two_hosts(docker, two_hosts):
     # Rank 0 alone writes: nothing in the second host's folder.
     assert os.listdir(outs[names[1]]) == []
 
-
-def test_a_killed_container_ends_the_job_on_the_other_naming_the_lost_host(docker, two_hosts):
-    names, outs = two_hosts
+    shutil.rmtree(outs[names[0]] / "ckpt")  # the longer run starts afresh
     job = subprocess.Popen(
         launch(docker, names[0], "--model", "mlp", "--epochs", "200"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
