@@ -14,7 +14,7 @@ per-host records under MPI) and its test set are two factors, each pair of value
 crash this matrix was made for (issue 23) took three values together, a FileData test set
 and several steps per execution: that case is the first one, grown from all three
 (`SEEDS`). Until 2026-12-07 the form and the test set were one factor of 12 values, so that
-every form met every other setting with and without a test set: 27 cases, not 15, for
+every form met every other setting with and without a test set: 27 cases, not 16, for
 pairs of three factors that no failure has needed. `--steps-per-execution` "default" means
 the default's 16: with `--checkpoint-every` or `--deterministic` the default is 1, which the
 value "1" covers, so those pairs are left out.
