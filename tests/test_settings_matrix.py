@@ -115,15 +115,13 @@ SHORT = {"steps_per_execution": "spe", "checkpoint_every": "ckpt", "deterministi
 
 
 def _name(case):
-    return "-".join(
-        case["data"] + ("+test" if v else "")
-        if k == "test"
-        else str(v)
-        if k in ("backend", "model")
-        else f"{SHORT[k]}{int(v) if v != 'default' else 'def'}"
-        for k, v in case.items()
-        if k != "data"
-    )
+    parts = [case["data"] + ("+test" if case["test"] else "")]
+    for k, v in case.items():
+        if k in ("backend", "model"):
+            parts.append(str(v))
+        elif k in SHORT:
+            parts.append(f"{SHORT[k]}{int(v) if v != 'default' else 'def'}")
+    return "-".join(parts)
 
 
 def test_the_cases_hold_every_allowed_pair_of_values():
