@@ -56,6 +56,21 @@ def test_a_fault_strikes_at_start_up_or_between_two_checkpoints(
     assert chaos.moment(fraction, checkpoints, in_a_write) == expected
 
 
+def test_a_cut_is_anchored_seconds_before_the_runs_last_checkpoint():
+    """A cut takes effect seconds after its moment: its anchors end `lead` seconds before
+    the last checkpoint (in the run's order, not the names'), after the one resumed from."""
+    timeline = {"epoch-0001-step-000008": 3.0, "epoch-0001": 6.0,
+                "epoch-0002-step-000008": 8.0, "epoch-0002": 9.5}  # fmt: skip
+    assert faults.anchors(timeline) == list(timeline)
+    assert faults.anchors(timeline, "epoch-0001-step-000008") == list(timeline)[1:]
+    assert faults.anchors(timeline, lead=6.0) == ["epoch-0001-step-000008"]
+    assert faults.anchors(timeline, "epoch-0001", lead=6.0) == []  # so: in the start-up
+    assert chaos.moment(0.99, len(faults.anchors(timeline, "epoch-0001", 6.0))) == (
+        "start-up",
+        0.988,
+    )
+
+
 def test_the_command_gets_this_runs_folders_and_determinism():
     out = chaos.job_command(["python", "t.py", "--epochs", "2"], "/w/ck", "/w/m.json")
     assert out == ["python", "t.py", "--epochs", "2", "--checkpoint-dir", "/w/ck",

@@ -92,6 +92,7 @@ from hvdtrain.launcher.faults import (  # (chaos's own names too)
     KINDS,
     LINK_KINDS,
     Fault,
+    anchors,
     checkpoint_order,
     complete_checkpoints,
     job_processes,
@@ -176,9 +177,8 @@ class _Chaos:
         """Waits for the fault's moment (`moment`): a share of the start-up, or a share of
         the interval after a checkpoint of the uninterrupted run appears, or of the end."""
         startup, interval = self._estimates()
-        after = checkpoint_order(resumed_from) if resumed_from is not None else None
-        remaining = [n for n in sorted(self.timeline, key=checkpoint_order)
-                     if after is None or checkpoint_order(n) > after]  # fmt: skip
+        lead = faults.CUT_LEAD_SECONDS if fault.kind == "cut-host" else 0.0
+        remaining = anchors(self.timeline, resumed_from, lead)
         where = moment(fault.fraction, len(remaining), fault.kind == "kill-in-checkpoint")
         if where[0] == "start-up":
             strike = job.started + where[1] * startup
@@ -494,10 +494,13 @@ def _run(args, kinds, workdir, ckpt, hosts):
     if code == 0:
         final = digest(os.path.join(workdir, "chaos.metrics.json"))
     sums = totals(records, final is not None and final == reference)
+    sums["not_struck"] = len(drawn) - len(records)  # the run finished before their turn
     print(table(records), flush=True)
     verdict = digest_line(reference, final)
+    unstruck = (f" ({sums['not_struck']} more drawn: the run finished before their turn)"
+                if sums["not_struck"] else "")  # fmt: skip
     print(
-        f"{PROG}: {sums['faults']} faults injected, {sums['survived']} survived, "
+        f"{PROG}: {sums['faults']} faults injected{unstruck}, {sums['survived']} survived, "
         f"{sums['hangs']} hangs, {sums['left_behind']} processes left behind, "
         f"{sums['tracebacks']} tracebacks; {verdict}",
         flush=True,

@@ -28,6 +28,7 @@ __all__ = [
     "schedule",
     "target",
     "moment",
+    "anchors",
     "promise",
     "job_processes",
     "rank_pid",
@@ -66,6 +67,9 @@ BACK_SECONDS = 120  # a cut host back: what waited there for a gone peer ends (T
 MARKER = "HVDTRAIN_CHAOS_JOB"  # in the environment of every process of a job
 STALL_SECONDS = 20
 GRACE_SECONDS = 10  # HVDTRAIN_LAUNCHER_GRACE_SECONDS for the job (hvdtrain-run's default: 30)
+# A cut takes effect seconds after its moment (ssh to the host, the holder's start there and
+# its second): it strikes at least this long before the run's last checkpoint (`anchors`).
+CUT_LEAD_SECONDS = 6.0
 TMPFS_MB = 64  # full-disk: the size of the tmpfs mounted over the checkpoint folder
 
 
@@ -126,6 +130,20 @@ def moment(fraction, checkpoints, in_a_write=False):
     position = (fraction - 0.2) / 0.8 * anchors
     k = min(int(position), anchors - 1)
     return "after", k, round(position - k, 3)
+
+
+def anchors(timeline, resumed_from=None, lead=0.0):
+    """The checkpoints of the uninterrupted run (`timeline`: {name: seconds after its start})
+    still to write after `resumed_from`, in order, that a fault's moment may follow (pure):
+    with `lead`, only those at least `lead` seconds before the last, so that a fault that
+    takes effect late still finds the run going (`CUT_LEAD_SECONDS`)."""
+    after = checkpoint_order(resumed_from) if resumed_from is not None else None
+    out = [n for n in sorted(timeline, key=checkpoint_order)
+           if after is None or checkpoint_order(n) > after]  # fmt: skip
+    if out and lead:
+        last = timeline[out[-1]]
+        out = [n for n in out if last - timeline[n] >= lead]
+    return out
 
 
 def promise(
