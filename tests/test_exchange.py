@@ -741,6 +741,12 @@ def test_auto_chooses_the_smallest_h_whose_exchange_hides_up_to_the_cap():
     assert choose(40.0, options, overlap=True, blocked=1.0) == (64, False)
     # ... with the steps' time it takes from the steps beside it (copies on one core).
     assert choose(40.0, options, overlap=True, blocked=1.0, slowed=4.0) == (128, False)
+    # A revisit keeps H where only noise moved: a smaller H must fit within 3/4 of the margins.
+    assert choose(3.0, options, overlap=False, current=128) == (128, False)  # 64: 3 > 2.5
+    assert choose(2.0, options, overlap=False, current=128) == (64, False)  # 2 <= 0.75 x 3.37
+    assert choose(45.0, options, overlap=True, current=64) == (64, False)  # 32: > 0.75 x 24
+    assert choose(17.0, options, overlap=True, current=64) == (32, False)  # 32: <= 18
+    assert choose(60.0, options, overlap=True, current=64) == (128, False)  # up: at the margin
 
 
 def test_auto_times_the_steps_alone_not_beside_an_exchange_in_flight():

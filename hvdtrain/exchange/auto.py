@@ -28,17 +28,23 @@ from the steps beside it. They take the smallest H for which
   where every step ran beside one, as in rounds of one execution, what was timed last),
 
 up to `CAP`, which the accuracy tables of docs/exchanging-less.md set; where no H fits, the
-cap is taken and the run says so. The H in force is checkpointed (a resume goes on with it)
-and reported on rank 0 as it is chosen and in the metrics JSON (`sync.auto`).
+cap is taken and the run says so. A revisit takes a smaller H than the one in force only
+where it fits within `STAY` of the margins, so that noise does not move H back and forth.
+The H in force is checkpointed (a resume goes on with it) and reported on rank 0 as it is
+chosen and in the metrics JSON (`sync.auto`).
 """
 
 import statistics
 
-__all__ = ["AutoEvery", "CAP", "MARGINS", "PROBE", "candidates", "choose"]
+__all__ = ["AutoEvery", "CAP", "MARGINS", "PROBE", "STAY", "candidates", "choose"]
 
 CAP = 256  # the largest H auto takes (docs/exchanging-less.md, "Accuracy at the H a link needs")
 MARGINS = {False: 0.05, True: 0.75}  # {overlapped: the share of a round the exchange may take}
 PROBE = 3  # exchanges timed before the first choice
+# A revisit takes an H smaller than the one in force only where its exchange fits within this
+# share of the margins: one job's exchange and steps vary by 10-20 %, and H moved on that
+# (64, 32, 32; 32, 64, 16, 16 on 2026-12-07), each move costing a trace.
+STAY = 0.75
 SMALLEST = 4  # below it, `--sync step` exchanges as little per sample at no loss
 
 
@@ -54,15 +60,17 @@ def candidates(unit, cap=CAP):
     return out
 
 
-def choose(ratio, options, overlap, blocked=0.0, slowed=0.0):
+def choose(ratio, options, overlap, blocked=0.0, slowed=0.0, current=None):
     """(the smallest H of `options` whose exchange fits, whether none did and the largest
     was taken) for an exchange of `ratio` steps' time (overlapped: in flight, `blocked`
     steps' time of it that the steps wait for at its point, and `slowed` steps' time it
-    takes from the steps beside it). Pure."""
+    takes from the steps beside it). An H smaller than the `current` one must fit within
+    `STAY` of the margins: a revisit keeps H where only noise moved. Pure."""
     wait = ratio if not overlap else blocked + slowed
     for h in options:
-        blocks = wait <= MARGINS[False] / (1 - MARGINS[False]) * h
-        if blocks and (not overlap or ratio <= MARGINS[True] * h):
+        share = STAY if current is not None and h < current else 1.0
+        blocks = wait <= share * MARGINS[False] / (1 - MARGINS[False]) * h
+        if blocks and (not overlap or ratio <= share * MARGINS[True] * h):
             return h, False
     return options[-1], True
 
@@ -134,7 +142,9 @@ class AutoEvery:
         ratios = [x / own if own > 0 else float(self.options[-1]) for x in (exchange, blocked)]
         agreed = [float(x) for x in agree_max([-ratios[0], -ratios[1], self.slowed])]
         ratio, blocked_ratio, slowed_ratio = -agreed[0], -agreed[1], agreed[2]  # (-max(-x))
-        h, self.capped = choose(ratio, self.options, self.overlap, blocked_ratio, slowed_ratio)
+        h, self.capped = choose(
+            ratio, self.options, self.overlap, blocked_ratio, slowed_ratio, self.chosen
+        )
         self.measured = {
             "exchange_seconds": round(exchange, 5),
             "step_seconds": round(own, 6),
