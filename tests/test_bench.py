@@ -772,6 +772,19 @@ def test_links_benchmark_plans_sizes_and_projects_each_job():
     assert "| hosts' pace: the slowest x hosts, of the ceiling: median | 0.80 |" in md
 
 
+def test_links_benchmark_needs_the_whole_mnist_but_for_its_smoke_run(capsys):
+    """Without --data-dir its jobs trained the embedded 4,500 digits, 35 steps an epoch, so
+    every H past that exchanged at the epoch's end: one line, exit 2, before any host."""
+    from hvdtrain.bench import links
+
+    with pytest.raises(SystemExit) as e:
+        links.main(["--hosts", "2", "--links", "1000", "--models", "mlp"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Invalid value for `--data-dir`: received None" in err and "--quick" in err, err
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # its ceiling is the hosts' one-core runs side by side
 def test_links_quick_run_measures_the_jobs_over_a_shaped_link(tmp_path):

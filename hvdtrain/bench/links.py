@@ -359,7 +359,7 @@ def markdown(cells):
 def _run(argv):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--data-dir", help="the four MNIST IDX files (else the embedded digits)")
+    p.add_argument("--data-dir", help="the four MNIST IDX files (needed but with --quick)")
     p.add_argument("--out", default="out/links")
     p.add_argument("--hosts", default="2,3", help="numbers of namespace hosts, one rank each")
     p.add_argument("--links", default="1000,100,10", help="link rates, Mbit/s")
@@ -377,6 +377,14 @@ def _run(argv):
     if args.quick:
         args.hosts, args.links, args.models, args.every = "2", "100", "mlp", "16"
         args.modes, args.epochs, args.seconds = "local", 2, 3.0
+    if not (args.data_dir or args.quick):  # the embedded 4,500 digits: 35 steps an epoch
+        raise invalid_value(
+            "--data-dir",
+            None,
+            "the folder of the four MNIST IDX files: a job's epochs must "
+            "hold its rounds of up to 256 steps on every rank, and the embedded digits give "
+            "35 (their epoch-end exchange would be every round); or --quick for the smoke run",
+        )
     why = cannot_make_namespaces()
     if why:
         raise HvdtrainError(f"{PROG} needs namespace hosts: {why}")
